@@ -1,0 +1,28 @@
+"""torchtpu: a native ``tpu`` device for PyTorch, backed by XLA through JAX.
+
+``import torch`` loads it through the ``torch.backends`` entry point (set
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` to turn that off); ``import torchtpu`` works as well.
+"""
+
+from __future__ import annotations
+
+import jax
+
+# torch's int64/float64 semantics need JAX's 64-bit mode: the one JAX setting torchtpu changes.
+jax.config.update("jax_enable_x64", True)
+
+from torchtpu.device.registration import register as _register  # noqa: E402
+
+__version__ = "0.1.0"
+
+_register()
+
+from torchtpu import metrics  # noqa: E402
+from torchtpu.eager.modes import EagerMode  # noqa: E402
+
+
+def _autoload() -> None:
+    """Entry point for PyTorch's device-backend autoload: importing this package registers ``tpu``."""
+
+
+__all__ = ["EagerMode", "metrics", "__version__"]

@@ -1,0 +1,98 @@
+"""The one home of torchtpu's settings: read once from ``TORCHTPU_*`` environment variables.
+
+Every setting is listed in ``SETTINGS`` with its environment variable, type, default and a
+one-line description; the README's table is generated from this list (``torchtpu info --env``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
+
+
+def _platform(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("", "tpu", "gpu", "cuda", "rocm", "cpu"):
+        raise ValueError(f"expected one of tpu, gpu, cpu, got {raw!r}")
+    return {"cuda": "gpu", "rocm": "gpu"}.get(value, value)
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "torchtpu")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Callable[[], Any]
+    help: str
+
+
+SETTINGS = [
+    Setting("platform", "TORCHTPU_PLATFORM", _platform, lambda: "",
+            "PJRT platform to use: tpu, gpu or cpu (default: the first available of tpu, gpu, cpu)"),
+    Setting("launch_blocking", "TORCHTPU_LAUNCH_BLOCKING", _bool, lambda: False,
+            "wait for every eager op to finish so errors surface at the op that caused them"),
+    Setting("defer_and_fuse", "TORCHTPU_DEFER_AND_FUSE", _bool, lambda: False,
+            "start in the DEFER_AND_FUSE eager mode"),
+    Setting("cpu_fallback", "TORCHTPU_CPU_FALLBACK", _bool, lambda: True,
+            "run ops without a lowering on the CPU (with a warning) instead of raising"),
+    Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
+            "directory of the persistent compilation cache"),
+    Setting("dump_dir", "TORCHTPU_DUMP_DIR", str, lambda: "",
+            "if set, write the StableHLO of every compiled graph here"),
+]
+
+
+def _read(setting: Setting) -> Any:
+    raw = os.environ.get(setting.env)
+    if raw is None:
+        return setting.default()
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"bad value for {setting.env}: {exc}") from None
+
+
+class _Config:
+    """Attribute access to the settings; values are read from the environment once."""
+
+    def __init__(self) -> None:
+        for setting in SETTINGS:
+            object.__setattr__(self, setting.name, _read(setting))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not any(s.name == name for s in SETTINGS):
+            raise AttributeError(f"torchtpu has no setting {name!r}")
+        object.__setattr__(self, name, value)
+
+    def reload(self) -> None:
+        """Re-read every setting from the environment."""
+        self.__init__()
+
+
+config = _Config()
+
+
+def env_table() -> str:
+    """A Markdown table of every environment variable, for the README."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for s in SETTINGS:
+        default = s.default()
+        shown = "(auto)" if default == "" else ("`~/.cache/torchtpu`" if s.name == "cache_dir" else f"`{default}`")
+        rows.append(f"| `{s.env}` | {shown} | {s.help} |")
+    return "\n".join(rows)

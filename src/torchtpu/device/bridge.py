@@ -1,0 +1,259 @@
+"""The tensor ⇄ ``jax.Array`` bridge.
+
+A ``tpu`` tensor is a plain ``torch.Tensor`` whose storage (a PyTorch ``UntypedStorage`` with no
+host bytes) carries the data as a ``jax.Array`` in the attribute ``_jax``. The array holds the
+storage's elements in order (any shape; its C-order flattening is the storage). A tensor reads
+its elements through its own sizes, strides and storage offset, exactly as PyTorch reads memory,
+so views, ``detach``, ``alias`` and in-place updates through any of them share one array.
+
+Reading the common case (a tensor that owns its whole storage) returns the array itself; other
+geometries go through a cached, jitted gather; writes through a cached, jitted scatter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchtpu.ops.dtypes import to_jax_dtype, to_torch_dtype
+from torchtpu.runtime import platform
+
+_create_empty = torch._C._acc.create_empty_tensor
+_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+
+ATTR = "_jax"
+# Types of deferred values a storage may hold instead of a jax.Array (the fused eager mode adds
+# its own); they have a ``materialize()`` method that returns the array.
+LAZY_TYPES: tuple[type, ...] = ()
+
+
+# ---------------------------------------------------------------- tensor shells on tpu:N
+# torch._C._acc.create_empty_tensor only makes tensors on tpu:0. For tpu:N (N > 0) we build a
+# 0-element tensor through DLPack (kDLExtDev maps to PrivateUse1 with the device index) once per
+# device and alias it: alias keeps the device and gives a fresh TensorImpl.
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", _DELETER)]
+_KEEP_ALIVE: list = []
+_KDL_EXT_DEV = 12
+
+
+@_DELETER
+def _no_delete(_):
+    pass
+
+
+@functools.cache
+def _device_template(index: int) -> torch.Tensor:
+    shape = (ctypes.c_int64 * 1)(0)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.device = _DLDevice(_KDL_EXT_DEV, index)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DLDataType(2, 32, 1)  # float32, irrelevant for a 0-element tensor
+    managed.dl_tensor.shape = shape
+    managed.deleter = _no_delete
+    _KEEP_ALIVE.append((managed, shape))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    return torch.from_dlpack(capsule)
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return strides[::-1]
+
+
+def empty_shell(shape, dtype: torch.dtype, index: int = 0) -> torch.Tensor:
+    """A new ``tpu:index`` tensor with a fresh storage and no data attached yet."""
+    if index == 0:
+        return _create_empty(shape, dtype)
+    template = _device_template(index)
+    nbytes = math.prod(shape) * dtype.itemsize
+    storage = torch._C._construct_storage_from_data_pointer(0, template.device, nbytes)
+    t = torch.ops.aten.alias.default(template)
+    if t.dtype != dtype:
+        t = torch.ops.aten.view.dtype(t, dtype) if t.dtype.itemsize == dtype.itemsize else _retype(t, dtype)
+    _set_storage(_META, t, storage, 0, list(shape), _contiguous_strides(shape))
+    return t
+
+
+def _retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a 0-element tensor of another itemsize: view.dtype refuses, so go through a 1-byte dtype
+    return torch.ops.aten.view.dtype(torch.ops.aten.view.dtype(t, torch.uint8), dtype) \
+        if dtype.itemsize == 1 else torch.ops.aten.view.dtype(_retype(t, torch.uint8), dtype)
+
+
+def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
+    """Point ``t`` at ``storage`` with the given geometry (no data moves)."""
+    _set_storage(_META, t, storage, offset, list(size), list(stride))
+
+
+# ---------------------------------------------------------------- reading and writing
+
+def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
+    """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device)."""
+    t = _create_empty(array.shape, to_torch_dtype(array.dtype)) if index == 0 else \
+        empty_shell(array.shape, to_torch_dtype(array.dtype), index)
+    t.untyped_storage()._jax = array
+    return t
+
+
+def _is_owner(t: torch.Tensor, array) -> bool:
+    return array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()
+
+
+def read(t: torch.Tensor) -> jax.Array:
+    """The elements of ``t`` as a ``jax.Array`` of ``t``'s shape and dtype."""
+    storage = t.untyped_storage()
+    array = getattr(storage, ATTR, None)
+    if array is None:
+        array = _allocate(t, storage)
+    elif isinstance(array, LAZY_TYPES):
+        array = array.materialize()
+    if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
+        return array
+    return _gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                   to_jax_dtype(t.dtype))(array)
+
+
+TORCH_JAX = {}
+
+
+def _allocate(t: torch.Tensor, storage) -> jax.Array:
+    # `empty` tensors get their array on first use: XLA has no uninitialised memory, so zeros.
+    numel = max(storage.nbytes() // t.element_size(), _extent(t))
+    array = jnp.zeros((numel,), to_jax_dtype(t.dtype), device=platform.jax_device(t.device.index or 0))
+    storage._jax = array
+    return array
+
+
+def _extent(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return t.storage_offset()
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
+def write(t: torch.Tensor, value: jax.Array) -> None:
+    """Store ``value`` (``t``'s shape; cast to ``t``'s dtype) into ``t``'s elements, in place."""
+    dtype = to_jax_dtype(t.dtype)
+    if value.dtype != dtype:
+        value = _cast(dtype)(value)
+    if tuple(value.shape) != tuple(t.shape):
+        value = _broadcast(tuple(t.shape))(value)
+    storage = t.untyped_storage()
+    array = getattr(storage, ATTR, None)
+    if isinstance(array, LAZY_TYPES):
+        array = array.materialize()
+    if array is None or (_is_owner(t, array) and array.dtype == dtype) or \
+            (t.storage_offset() == 0 and t.is_contiguous() and array.size == t.numel() and array.dtype == dtype):
+        if array is not None and array.shape != value.shape:
+            value = value.reshape(array.shape)
+        storage._jax = value
+        return
+    storage._jax = _scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()),
+                            t.storage_offset(), dtype)(array, value)
+
+
+def set_array(t: torch.Tensor, array: jax.Array) -> None:
+    """Replace ``t``'s whole storage by ``array`` (``t`` must own its storage)."""
+    t.untyped_storage()._jax = array
+
+
+@functools.cache
+def _cast(dtype):
+    return jax.jit(lambda x: x.astype(dtype))
+
+
+@functools.cache
+def _broadcast(shape):
+    return jax.jit(lambda x: jnp.broadcast_to(x, shape))
+
+
+def _indices(shape, strides, offset) -> np.ndarray:
+    idx = np.full(shape, offset, dtype=np.int64)
+    for dim, (n, s) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[dim] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(view)
+    return idx
+
+
+def _bitcast(x, dtype):
+    if x.dtype == dtype:
+        return x
+    if np.dtype(x.dtype).itemsize != np.dtype(dtype).itemsize:
+        raise NotImplementedError(
+            f"tpu: viewing a {x.dtype} storage as {dtype} with a different element size is not supported")
+    if x.dtype == np.bool_ or dtype == np.bool_:
+        return jax.lax.bitcast_convert_type(x.astype(np.uint8) if x.dtype == np.bool_ else x, np.uint8).astype(dtype) \
+            if dtype == np.bool_ else jax.lax.bitcast_convert_type(x.astype(np.uint8), dtype)
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+@functools.cache
+def _gather(array_shape, array_dtype, shape, strides, offset, dtype):
+    numel = math.prod(shape)
+    contiguous = tuple(_contiguous_strides(shape)) == strides or numel <= 1
+
+    def gather(array):
+        flat = _bitcast(array.reshape(-1), dtype)
+        if contiguous:
+            return flat[offset:offset + numel].reshape(shape)
+        return flat[_indices(shape, strides, offset)]
+
+    return jax.jit(gather)
+
+
+@functools.cache
+def _scatter(array_shape, array_dtype, shape, strides, offset, dtype):
+    numel = math.prod(shape)
+    contiguous = tuple(_contiguous_strides(shape)) == strides or numel <= 1
+
+    def scatter(array, value):
+        flat = _bitcast(array.reshape(-1), dtype)
+        if contiguous:
+            flat = jax.lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+        else:
+            flat = flat.at[_indices(shape, strides, offset).reshape(-1)].set(value.reshape(-1))
+        return _bitcast(flat, array_dtype).reshape(array_shape)
+
+    return jax.jit(scatter)
+
+
+def _init_dtype_table():
+    from torchtpu.ops.dtypes import TORCH_TO_JAX
+    TORCH_JAX.update({k: np.dtype(v) for k, v in TORCH_TO_JAX.items()})
+
+
+_init_dtype_table()

@@ -1,0 +1,316 @@
+"""Eager execution: one PrivateUse1 kernel per lowered aten overload.
+
+A kernel reads its tensor arguments' arrays, calls the lowering through a ``jax.jit`` cached per
+(op, static arguments) — JAX's own cache handles shapes and dtypes — and wraps the results as
+``tpu`` tensors. In-place (``add_``) and ``out=`` overloads reuse the functional lowering and
+write the result back through the bridge, so views and aliases see the update.
+
+This is the hot path: everything derivable from the op's schema is computed once, at
+registration, into ``_Signature``; a call walks its arguments once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import numpy as np
+import torch
+from torch._ops import OpOverload
+
+from torchtpu.device import bridge
+from torchtpu.eager import modes
+from torchtpu.ops.registry import Lowering
+from torchtpu.runtime import platform, rng
+from torchtpu import metrics
+
+_TENSOR, _LIST, _SCALAR, _STATIC = range(4)
+_PY_SCALARS = (bool, int, float, complex)
+
+
+class _Dyn:
+    """Placeholder in a static key for one dynamic (array) argument."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+DYN = _Dyn()
+
+
+def _arg_kind(arg) -> int:
+    text = str(arg.type)
+    if text in ("Tensor", "Optional[Tensor]"):
+        return _TENSOR
+    if text in ("List[Tensor]", "List[Optional[Tensor]]"):
+        return _LIST
+    if text in ("number", "Optional[number]"):
+        return _SCALAR
+    return _STATIC
+
+
+class _Signature:
+    """What a kernel needs to know about an overload's arguments, derived once from its schema."""
+
+    def __init__(self, op: OpOverload, static_scalars: bool = False):
+        schema = op._schema
+
+        def kind(arg):
+            k = _arg_kind(arg)
+            return _STATIC if (k == _SCALAR and static_scalars) else k
+
+        self.positional = [kind(a) for a in schema.arguments if not a.kwarg_only]
+        self.keyword = {a.name: kind(a) for a in schema.arguments if a.kwarg_only}
+        self.out_names = tuple(a.name for a in schema.arguments if a.is_out)
+        returns = schema.returns
+        self.returns_list = len(returns) == 1 and str(returns[0].type) == "List[Tensor]"
+        self.returns_tuple = len(returns) > 1
+        self.returns_none = len(returns) == 0
+        self.device_arg = any(a.name == "device" for a in schema.arguments)
+
+
+def _freeze(value):
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def device_mismatch(a: torch.device, b: torch.device) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+class TensorList(tuple):
+    """Key entry for a ``Tensor[]`` argument: DYN or None per element."""
+
+    __slots__ = ()
+
+
+class Call:
+    """One call's arguments, split into the static key and the dynamic arrays.
+
+    ``key`` is ``(positional entries, keyword (name, entry) pairs)``; an entry is DYN for one
+    array, a ``TensorList`` for a list of them, or the static value itself (lists as tuples).
+    """
+
+    __slots__ = ("key", "dyn", "device")
+
+    def __init__(self, sig: _Signature, args, kwargs):
+        dyn: list = []
+        self.device = None
+        kinds = sig.positional
+        nkinds = len(kinds)
+        positional = tuple(self._take(kinds[i] if i < nkinds else _STATIC, a, dyn) for i, a in enumerate(args))
+        keyword = tuple((name, self._take(sig.keyword.get(name, _STATIC), a, dyn)) for name, a in kwargs.items())
+        self.key = (positional, keyword)
+        self.dyn = dyn
+
+    def _take(self, kind, a, dyn):
+        if kind == _TENSOR or kind == _SCALAR:
+            if a is None:
+                return None
+            if isinstance(a, torch.Tensor):
+                dyn.append(self._array(a))
+            elif isinstance(a, _PY_SCALARS):
+                dyn.append(a)  # JAX passes it weakly typed: a Python number to the lowering
+            else:
+                return _freeze(a)
+            return DYN
+        if kind == _LIST:
+            pattern = []
+            for t in a:
+                if t is None:
+                    pattern.append(None)
+                else:
+                    dyn.append(self._array(t))
+                    pattern.append(DYN)
+            return TensorList(pattern)
+        if isinstance(a, torch.Tensor):  # a Tensor in an untyped slot
+            dyn.append(self._array(a))
+            return DYN
+        return _freeze(a)
+
+    def _array(self, t: torch.Tensor):
+        device = t.device
+        if device.type == "tpu":
+            if self.device is None:
+                self.device = device
+            elif self.device != device:
+                raise device_mismatch(self.device, device)
+            return bridge.read(t)
+        if t.dim() == 0 and device.type == "cpu":
+            # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
+            return np.asarray(t.item(), dtype=bridge.TORCH_JAX[t.dtype])
+        raise device_mismatch(self.device or torch.device("tpu", 0), device)
+
+
+def _rebuild(key, dyn):
+    """Inverse of ``Call``: the lowering's (args, kwargs) from a static key and arrays."""
+    it = iter(dyn)
+
+    def value(k):
+        if k is DYN:
+            return next(it)
+        if isinstance(k, TensorList):
+            return [None if p is None else next(it) for p in k]
+        if isinstance(k, tuple):
+            return list(k)
+        return k
+
+    positional, keyword = key
+    args = [value(k) for k in positional]
+    kwargs = {name: value(k) for name, k in keyword}
+    return args, kwargs
+
+
+class Kernel:
+    """The eager kernel of one functional overload with a lowering."""
+
+    def __init__(self, lowering: Lowering):
+        self.op = lowering.op
+        self.lowering = lowering
+        self.sig = _Signature(self.op, lowering.static_scalars)
+        self.name = str(self.op)
+        self._jitted: dict = {}
+
+    def compiled(self, key, device_index: int | None):
+        cache_key = (key, device_index)
+        fn = self._jitted.get(cache_key)
+        if fn is None:
+            fn = self._jitted[cache_key] = self._build(key, device_index)
+        return fn
+
+    def _build(self, key, device_index):
+        lower, sig, random = self.lowering.fn, self.sig, self.lowering.random
+
+        if random:
+            def run(seed_hi, seed_lo, offset, *dyn):
+                args, kwargs = _rebuild(key, dyn)
+                return lower(rng.make_key(seed_hi, seed_lo, offset), *args, **kwargs)
+        else:
+            def run(*dyn):
+                args, kwargs = _rebuild(key, dyn)
+                return lower(*args, **kwargs)
+
+        run.__name__ = self.name.replace(".", "_")
+        if not self.lowering.jit:
+            return run
+        if device_index is None:
+            return jax.jit(run)
+        sharding = jax.sharding.SingleDeviceSharding(platform.jax_device(device_index))
+        return jax.jit(run, out_shardings=sharding)
+
+    def arrays(self, args, kwargs):
+        """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
+        call = Call(self.sig, args, kwargs)
+        index = _device_index(call, kwargs, self.sig)
+        factory = call.device is None
+        fn = self.compiled(call.key, index if factory else None)
+        dyn = call.dyn
+        if self.lowering.random:
+            dyn = (*rng.next_key_args(index), *dyn)
+        metrics.count_op(self.name)
+        return index, modes.execute(self, fn, dyn)
+
+    def __call__(self, *args, **kwargs):
+        index, out = self.arrays(args, kwargs)
+        return wrap_outputs(out, index, self.sig)
+
+
+def _device_index(call: Call, kwargs, sig: _Signature) -> int:
+    if call.device is not None:
+        return call.device.index or 0
+    device = kwargs.get("device") if sig.device_arg else None
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "tpu":
+            return device.index if device.index is not None else _current_device()
+    return _current_device()
+
+
+def _current_device() -> int:
+    from torchtpu.device.module import current_device
+
+    return current_device()
+
+
+def wrap_outputs(out, index: int, sig: _Signature):
+    if sig.returns_none:
+        return None
+    if isinstance(out, (tuple, list)):
+        wrapped = [bridge.wrap(o, index) for o in out]
+        return wrapped if sig.returns_list else tuple(wrapped)
+    return bridge.wrap(out, index)
+
+
+class InplaceKernel:
+    """``op_(self, ...)``: the functional kernel's result written back into ``self``."""
+
+    def __init__(self, functional: Kernel):
+        self.functional = functional
+
+    def __call__(self, self_tensor, *args, **kwargs):
+        _, out = self.functional.arrays((self_tensor, *args), kwargs)
+        if out.dtype != bridge.TORCH_JAX[self_tensor.dtype]:
+            _check_cast(out.dtype, self_tensor.dtype, self.functional.name)
+        bridge.write(self_tensor, out)
+        return self_tensor
+
+
+class OutKernel:
+    """``op.out(..., out=...)``: the functional kernel's results written into the out tensors."""
+
+    def __init__(self, functional: Kernel, out_names: tuple[str, ...]):
+        self.functional = functional
+        self.out_names = out_names
+
+    def __call__(self, *args, **kwargs):
+        outs = [kwargs.pop(name) for name in self.out_names]
+        _, result = self.functional.arrays(args, kwargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for out, value in zip(outs, results):
+            if out.device.type != "tpu":
+                raise device_mismatch(torch.device("tpu", 0), out.device)
+            _check_cast(value.dtype, out.dtype, self.functional.name)
+            if tuple(out.shape) != tuple(value.shape):
+                resize(out, value.shape)
+            bridge.write(out, value)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def resize(t: torch.Tensor, shape) -> None:
+    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, grown storage if needed."""
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    storage = t.untyped_storage()
+    array = getattr(storage, bridge.ATTR, None)
+    needed = t.storage_offset() + numel
+    strides = bridge._contiguous_strides(shape)
+    if array is not None and array.size < needed:
+        flat = array.reshape(-1)
+        grown = jax.numpy.zeros((needed,), flat.dtype, device=platform.jax_device(t.device.index or 0))
+        storage._jax = grown.at[: flat.size].set(flat)
+    if storage.nbytes() < needed * t.element_size() and (t.device.index or 0) != 0:
+        fresh = torch._C._construct_storage_from_data_pointer(0, t.device, needed * t.element_size())
+        if array is not None:
+            fresh._jax = storage._jax
+        storage = fresh
+    bridge.restride(t, storage, t.storage_offset(), shape, strides)
+
+
+def _check_cast(from_dtype, to_dtype: torch.dtype, name: str) -> None:
+    from torchtpu.ops.dtypes import to_torch_dtype
+
+    src = to_torch_dtype(from_dtype)
+    if src != to_dtype and not torch.can_cast(src, to_dtype):
+        raise RuntimeError(f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(to_dtype)}")
+
+
+@functools.cache
+def _pretty(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int16: "Short",
+            torch.int8: "Char", torch.uint8: "Byte", torch.complex64: "ComplexFloat"}.get(dtype, str(dtype))

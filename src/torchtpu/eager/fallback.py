@@ -1,0 +1,106 @@
+"""What runs an aten op that has no lowering: PyTorch's decomposition, else the CPU fallback.
+
+Registered as PyTorch's boxed fallback for the ``tpu`` dispatch key, so it sees every op that
+has no kernel of ours and no composite kernel of PyTorch's.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch._decomp import decomposition_table
+from torch.utils._pytree import tree_map
+
+from torchtpu import metrics
+from torchtpu.config import config
+from torchtpu.device import bridge
+from torchtpu.eager import modes, transfer
+
+_active = threading.local()
+_warned: set[str] = set()
+
+
+def enable_cpu_fallback(enabled: bool = True) -> None:
+    """Run ops without a lowering on the CPU (default on); off, they raise NotImplementedError."""
+    config.cpu_fallback = bool(enabled)
+
+
+def is_cpu_fallback_enabled() -> bool:
+    return config.cpu_fallback
+
+
+def fallback(op, *args, **kwargs):
+    decomposition = decomposition_table.get(op)
+    running = getattr(_active, "ops", None)
+    if running is None:
+        running = _active.ops = set()
+    if decomposition is not None and op not in running:
+        running.add(op)
+        try:
+            metrics.count_decomposition(str(op))
+            result = decomposition(*args, **kwargs)
+        finally:
+            running.discard(op)
+        if result is not NotImplemented:
+            return result
+    return cpu_fallback(op, *args, **kwargs)
+
+
+def cpu_fallback(op, *args, **kwargs):
+    """Run ``op`` on the CPU and move the results back, counted and warned about once per op."""
+    name = str(op)
+    if not config.cpu_fallback:
+        raise NotImplementedError(
+            f"Could not run '{name}' on the tpu device: torchtpu has no lowering for it and the CPU "
+            f"fallback is off. Turn it on with torch.tpu.enable_cpu_fallback(True) (or "
+            f"TORCHTPU_CPU_FALLBACK=1) to run this op on the CPU.")
+    metrics.count_fallback(name)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"tpu: {name} has no lowering; running it on the CPU (slow, counted in "
+                      f"torchtpu.metrics). Please report it.", stacklevel=3)
+    modes.flush("cpu_fallback")
+    device = None
+
+    def to_cpu(x):
+        nonlocal device
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            device = device or x.device
+            return transfer.to_host(x)
+        return x
+
+    def to_tpu(x):
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            return bridge.wrap(transfer.to_device(x, device.index or 0), device.index or 0)
+        return x
+
+    cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+    if device is None:
+        device = _device_of(kwargs)
+    if "device" in cpu_kwargs and cpu_kwargs["device"] is not None:
+        cpu_kwargs["device"] = torch.device("cpu")
+    result = op(*cpu_args, **cpu_kwargs)
+    # write mutated arguments back and return the original tensors for aliased outputs
+    schema = op._schema
+    flat_inputs = list(args) + [kwargs.get(a.name) for a in schema.arguments if a.kwarg_only]
+    flat_cpu = list(cpu_args) + [cpu_kwargs.get(a.name) for a in schema.arguments if a.kwarg_only]
+    aliased = {}
+    positional = [a for a in schema.arguments if not a.kwarg_only][: len(args)]
+    named = positional + [a for a in schema.arguments if a.kwarg_only]
+    for arg, orig, cpu in zip(named, flat_inputs, flat_cpu):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(orig, torch.Tensor) \
+                and orig.device.type == "tpu":
+            if tuple(orig.shape) != tuple(cpu.shape):
+                orig.resize_(cpu.shape)
+            bridge.write(orig, transfer.to_device(cpu, orig.device.index or 0))
+            aliased[id(cpu)] = orig
+    return tree_map(lambda x: aliased[id(x)] if id(x) in aliased else to_tpu(x), result)
+
+
+def _device_of(kwargs) -> torch.device:
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "tpu":
+        return torch.device(device)
+    return torch.device("tpu", 0)

@@ -1,0 +1,74 @@
+"""Installs the eager kernels: every lowering, its in-place and out= variants, the view and
+transfer kernels, and the boxed fallback, all on the ``tpu`` (PrivateUse1) dispatch key."""
+
+from __future__ import annotations
+
+import torch
+from torch._ops import OpOverload
+
+from torchtpu.eager import dispatch, fallback, transfer, views
+from torchtpu.ops import registry
+
+aten = torch.ops.aten
+_libs: list[torch.library.Library] = []
+KERNELS: dict[OpOverload, object] = {}
+
+
+def _is_inplace(op: OpOverload) -> bool:
+    args = op._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write \
+        and not any(a.is_out for a in args)
+
+
+def _variants(op: OpOverload):
+    """The in-place overload and the out= overloads that compute the same thing as ``op``."""
+    name = op._schema.name.split("::")[1]
+    overload = op._overloadname
+    inplace_packet = getattr(aten, name + "_", None)
+    if inplace_packet is not None and overload in inplace_packet.overloads():
+        yield "inplace", getattr(inplace_packet, overload)
+    packet = getattr(aten, name)
+    inputs = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for other in packet.overloads():
+        candidate = getattr(packet, other)
+        schema = candidate._schema
+        if any(a.is_out for a in schema.arguments):
+            if [(a.name, str(a.type)) for a in schema.arguments if not a.is_out] == inputs:
+                yield "out", candidate
+
+
+def kernels() -> dict[OpOverload, object]:
+    """Every eager kernel, by overload (built once)."""
+    if KERNELS:
+        return KERNELS
+    lowerings = registry.load_all()
+    for op, low in lowerings.items():
+        kernel = dispatch.Kernel(low)
+        if _is_inplace(op):
+            KERNELS[op] = dispatch.InplaceKernel(kernel)
+            continue
+        KERNELS[op] = kernel
+        for kind, variant in _variants(op):
+            if variant in lowerings or variant in KERNELS:
+                continue
+            if kind == "inplace":
+                KERNELS[variant] = dispatch.InplaceKernel(kernel)
+            else:
+                out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
+                KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
+    KERNELS.update(views.KERNELS)
+    KERNELS.update(transfer.KERNELS)
+    return KERNELS
+
+
+def install() -> None:
+    """Register every kernel with PyTorch's dispatcher (idempotent)."""
+    if _libs:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    for op, kernel in kernels().items():
+        lib.impl(f"{op._schema.name.split('::')[1]}.{op._overloadname}" if op._overloadname != "default"
+                 else op._schema.name.split("::")[1], kernel, "PrivateUse1")
+    fallback_lib = torch.library.Library("_", "IMPL")
+    fallback_lib.fallback(fallback.fallback, "PrivateUse1")
+    _libs.extend([lib, fallback_lib])

@@ -1,0 +1,98 @@
+"""Copies between ``tpu`` tensors and host tensors: ``copy_``, ``.to()``, ``.cpu()``, ``.item()``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchtpu import metrics
+from torchtpu.device import bridge
+from torchtpu.eager import modes
+from torchtpu.runtime import platform
+
+aten = torch.ops.aten
+
+# dtypes numpy cannot hold natively travel as same-width integers
+_VIA = {torch.bfloat16: (torch.int16, jnp.bfloat16)}
+
+
+def host_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a numpy array (bfloat16 as ml_dtypes.bfloat16)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    via = _VIA.get(t.dtype)
+    if via is not None:
+        return t.view(via[0]).numpy().view(via[1])
+    return t.numpy()
+
+
+def numpy_to_host(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    array = np.array(array, copy=not array.flags.writeable, order="C")  # jax's host views are read-only
+    via = _VIA.get(dtype)
+    if via is not None:
+        return torch.from_numpy(array.view(np.int16)).view(dtype)
+    return torch.from_numpy(array)
+
+
+def to_device(t: torch.Tensor, index: int) -> jax.Array:
+    """Send a CPU tensor's values to ``tpu:index``."""
+    array = host_to_numpy(t)
+    metrics.count_transfer("to_device", array.nbytes)
+    return jax.device_put(array, platform.jax_device(index))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A ``tpu`` tensor's values as a new CPU tensor."""
+    modes.flush("transfer_to_host")
+    array = np.asarray(bridge.read(t))
+    metrics.count_transfer("to_host", array.nbytes)
+    return numpy_to_host(array, t.dtype).reshape(t.shape)
+
+
+@functools.cache
+def _to_shape(shape, dtype):
+    return jax.jit(lambda x: jnp.broadcast_to(x, shape).astype(dtype))
+
+
+def copy_(self, src, non_blocking=False):
+    if self.device.type != "tpu":  # tpu → host
+        self.copy_(to_host(src))
+        return self
+    index = self.device.index or 0
+    if src.device.type == "tpu":
+        value = bridge.read(src)
+        if (src.device.index or 0) != index:
+            value = jax.device_put(value, platform.jax_device(index))
+    else:
+        value = to_device(src, index)
+    target = bridge.TORCH_JAX[self.dtype]
+    if tuple(value.shape) != tuple(self.shape) or value.dtype != target:
+        value = _to_shape(tuple(self.shape), target)(value)
+    bridge.write(self, value)
+    return self
+
+
+def _copy_from(self, dst, non_blocking=False):
+    return copy_(dst, self, non_blocking)
+
+
+def _copy_from_and_resize(self, dst):
+    if tuple(dst.shape) != tuple(self.shape):
+        dst.resize_(self.shape)
+    return copy_(dst, self)
+
+
+def _local_scalar_dense(self):
+    modes.flush("item")
+    return bridge.read(self).item()
+
+
+KERNELS = {
+    aten.copy_.default: copy_,
+    aten._copy_from.default: _copy_from,
+    aten._copy_from_and_resize.default: _copy_from_and_resize,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+}

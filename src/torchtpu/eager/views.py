@@ -1,0 +1,123 @@
+"""View kernels: metadata only. A view is a new tensor sharing its base's storage with its own
+sizes, strides and offset, exactly as in PyTorch; the bridge reads and writes through that
+geometry. PyTorch's own composite view ops (transpose, permute, slice, select, expand, unsqueeze,
+squeeze, diagonal, unfold, ...) reach us as ``as_strided``, so these few kernels cover them all."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from torchtpu.device import bridge
+from torchtpu.eager import dispatch
+
+aten = torch.ops.aten
+
+
+def _shell_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or t.dtype
+    index = t.device.index or 0
+    if index == 0:
+        return bridge._create_empty([0], dtype)
+    shell = aten.alias.default(t)
+    return shell if dtype == t.dtype else aten.view.dtype(shell, dtype)
+
+
+def make_view(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
+    view = _shell_like(base)
+    bridge.restride(view, base.untyped_storage(), offset, size, stride)
+    return view
+
+
+def as_strided(self, size, stride, storage_offset=None):
+    offset = self.storage_offset() if storage_offset is None else storage_offset
+    return make_view(self, size, stride, offset)
+
+
+@functools.lru_cache(maxsize=16384)
+def _view_strides(shape, stride, size):
+    meta = torch.empty_strided(shape, stride, device="meta").view(size)
+    return tuple(meta.shape), tuple(meta.stride())
+
+
+def view(self, size):
+    shape, stride = _view_strides(tuple(self.shape), tuple(self.stride()), tuple(size))
+    return make_view(self, shape, stride, self.storage_offset())
+
+
+def _reshape_alias(self, size, stride):
+    return make_view(self, size, stride, self.storage_offset())
+
+
+def view_dtype(self, dtype):
+    if dtype == self.dtype:
+        return make_view(self, self.shape, self.stride(), self.storage_offset())
+    meta = torch.empty_strided(tuple(self.shape), tuple(self.stride()), dtype=self.dtype,
+                               device="meta").view(dtype)
+    shell = _shell_like(self, dtype)
+    offset = self.storage_offset() * self.element_size() // dtype.itemsize
+    bridge.restride(shell, self.untyped_storage(), offset, meta.shape, meta.stride())
+    return shell
+
+
+def set_storage(self, source, storage_offset=0, size=(), stride=()):
+    bridge.restride(self, source, storage_offset, size, stride or bridge._contiguous_strides(size))
+    return self
+
+
+def set_tensor(self, source):
+    bridge.restride(self, source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
+    return self
+
+
+def resize_(self, size, memory_format=None):
+    dispatch.resize(self, size)
+    return self
+
+
+def _device_index(device) -> int:
+    if device is None:
+        from torchtpu.device.module import current_device
+
+        return current_device()
+    device = torch.device(device)
+    if device.index is None:
+        from torchtpu.device.module import current_device
+
+        return current_device()
+    return device.index
+
+
+def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """A new tensor; its array is made (as zeros) when first read: XLA has no uninitialised memory."""
+    _check_size(size)
+    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device))
+
+
+def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    _check_size(size)
+    t = bridge.empty_shell((0,), dtype or torch.get_default_dtype(), _device_index(device))
+    bridge.restride(t, t.untyped_storage(), 0, size, stride)
+    return t
+
+
+def _check_size(size) -> None:
+    for s in size:
+        if s < 0:
+            raise RuntimeError(f"Trying to create tensor with negative dimension {s}: {list(size)}")
+
+
+KERNELS = {
+    aten.empty.memory_format: empty,
+    aten.empty_strided.default: empty_strided,
+    aten.as_strided.default: as_strided,
+    aten.view.default: view,
+    aten._unsafe_view.default: view,
+    aten._reshape_alias.default: _reshape_alias,
+    aten.view.dtype: view_dtype,
+    aten.set_.source_Storage_storage_offset: set_storage,
+    aten.set_.source_Storage: lambda self, source: set_storage(self, source, 0, (source.nbytes() // self.element_size(),)),
+    aten.set_.source_Tensor: set_tensor,
+    aten.resize_.default: resize_,
+}

@@ -1,0 +1,104 @@
+"""Device random-number state: a (seed, offset) pair per device, like CUDA's Philox state.
+
+Every random op consumes one offset; its key is ``fold_in(key(seed), offset)``, computed inside
+the jitted program so drawing costs no extra dispatch. Same seed, same numbers.
+"""
+
+from __future__ import annotations
+
+import random as _pyrandom
+import threading
+
+import jax
+import numpy as np
+import torch
+
+from torchtpu.runtime import platform
+
+_DEFAULT_SEED = 67280421310721  # torch's default CPU seed, for familiarity
+
+
+class _State(threading.local):
+    pass
+
+
+_lock = threading.Lock()
+_seeds: dict[int, int] = {}
+_offsets: dict[int, int] = {}
+_initial: dict[int, int] = {}
+
+
+def _ensure(index: int) -> None:
+    if index not in _seeds:
+        seed = torch.initial_seed() if index == 0 else _DEFAULT_SEED
+        _seeds[index] = _initial[index] = seed
+        _offsets[index] = 0
+
+
+def next_key_args(index: int) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """Advance ``tpu:index``'s state by one draw; returns (seed_hi, seed_lo, offset) as uint32s."""
+    with _lock:
+        _ensure(index)
+        offset = _offsets[index]
+        _offsets[index] = offset + 1
+        seed = _seeds[index]
+    return np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint32(seed & 0xFFFFFFFF), np.uint32(offset & 0xFFFFFFFF)
+
+
+def make_key(seed_hi, seed_lo, offset) -> jax.Array:
+    """The ``jax.random`` key for one draw (traceable)."""
+    key = jax.random.wrap_key_data(jax.numpy.stack([seed_hi, seed_lo]).astype(np.uint32), impl="threefry2x32")
+    return jax.random.fold_in(key, offset)
+
+
+def manual_seed(seed: int, index: int | None = None) -> None:
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    with _lock:
+        for i in ([index] if index is not None else [_current()]):
+            _seeds[i] = _initial[i] = seed
+            _offsets[i] = 0
+
+
+def manual_seed_all(seed: int) -> None:
+    for i in range(platform.device_count()):
+        manual_seed(seed, i)
+
+
+def seed(index: int | None = None) -> int:
+    """Seed with a non-deterministic random number; returns it."""
+    s = _pyrandom.SystemRandom().getrandbits(63)
+    manual_seed(s, index)
+    return s
+
+
+def initial_seed(index: int | None = None) -> int:
+    i = _current() if index is None else index
+    with _lock:
+        _ensure(i)
+        return _initial[i]
+
+
+def get_state(index: int | None = None) -> torch.Tensor:
+    """The state as a CPU ``torch.uint8`` tensor (16 bytes: seed, offset), as torch.cuda returns."""
+    i = _current() if index is None else index
+    with _lock:
+        _ensure(i)
+        data = np.array([_seeds[i], _offsets[i]], dtype=np.uint64)
+    return torch.from_numpy(data.view(np.uint8).copy())
+
+
+def set_state(state: torch.Tensor, index: int | None = None) -> None:
+    i = _current() if index is None else index
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
+        raise RuntimeError("tpu RNG state must be a torch.uint8 tensor of 16 bytes (from get_rng_state())")
+    seed_value, offset = state.cpu().numpy().view(np.uint64).tolist()
+    with _lock:
+        _seeds[i] = int(seed_value)
+        _initial.setdefault(i, int(seed_value))
+        _offsets[i] = int(offset)
+
+
+def _current() -> int:
+    from torchtpu.device import module
+
+    return module.current_device()
