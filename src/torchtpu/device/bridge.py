@@ -26,6 +26,7 @@ from torchtpu.runtime import platform
 
 _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
 
 ATTR = "_jax"
@@ -57,27 +58,30 @@ class _DLManagedTensor(ctypes.Structure):
     pass
 
 
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DELETER)]
+                             ("deleter", ctypes.c_void_p)]  # NULL: the template owns no memory
 _KEEP_ALIVE: list = []
 _KDL_EXT_DEV = 12
 
 
-@_DELETER
-def _no_delete(_):
-    pass
+_DL_CODES = {torch.bool: (6, 8), torch.bfloat16: (4, 16), torch.complex64: (5, 64), torch.complex128: (5, 128)}
+
+
+def _dl_dtype(dtype: torch.dtype) -> _DLDataType:
+    code, bits = _DL_CODES.get(dtype, (None, dtype.itemsize * 8))
+    if code is None:
+        code = 2 if dtype.is_floating_point else (1 if dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64) else 0)
+    return _DLDataType(code, bits, 1)
 
 
 @functools.cache
-def _device_template(index: int) -> torch.Tensor:
+def _device_template(index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     shape = (ctypes.c_int64 * 1)(0)
     managed = _DLManagedTensor()
     managed.dl_tensor.device = _DLDevice(_KDL_EXT_DEV, index)
     managed.dl_tensor.ndim = 1
-    managed.dl_tensor.dtype = _DLDataType(2, 32, 1)  # float32, irrelevant for a 0-element tensor
+    managed.dl_tensor.dtype = _dl_dtype(dtype)
     managed.dl_tensor.shape = shape
-    managed.deleter = _no_delete
     _KEEP_ALIVE.append((managed, shape))
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
@@ -94,29 +98,38 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
-def empty_shell(shape, dtype: torch.dtype, index: int = 0) -> torch.Tensor:
+def empty_shell(shape, dtype: torch.dtype, index: int = 0, strides=None) -> torch.Tensor:
     """A new ``tpu:index`` tensor with a fresh storage and no data attached yet."""
-    if index == 0:
+    if index == 0 and strides is None:
         return _create_empty(shape, dtype)
-    template = _device_template(index)
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = torch._C._construct_storage_from_data_pointer(0, template.device, nbytes)
+    strides = list(strides) if strides is not None else _contiguous_strides(shape)
+    if index == 0:
+        t = _create_empty([0], dtype)
+        restride(t, t.untyped_storage(), 0, shape, strides)
+        return t
+    template = _device_template(index, dtype)
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    storage = torch._C._construct_storage_from_data_pointer(0, template.device, extent * dtype.itemsize)
     t = torch.ops.aten.alias.default(template)
-    if t.dtype != dtype:
-        t = torch.ops.aten.view.dtype(t, dtype) if t.dtype.itemsize == dtype.itemsize else _retype(t, dtype)
-    _set_storage(_META, t, storage, 0, list(shape), _contiguous_strides(shape))
+    restride(t, storage, 0, shape, strides)
     return t
 
 
-def _retype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # a 0-element tensor of another itemsize: view.dtype refuses, so go through a 1-byte dtype
-    return torch.ops.aten.view.dtype(torch.ops.aten.view.dtype(t, torch.uint8), dtype) \
-        if dtype.itemsize == 1 else torch.ops.aten.view.dtype(_retype(t, torch.uint8), dtype)
+def shell_on(storage, dtype: torch.dtype, index: int) -> torch.Tensor:
+    """A new tensor on ``tpu:index`` sharing ``storage`` (its geometry is set by the caller)."""
+    t = _create_empty([0], dtype) if index == 0 else torch.ops.aten.alias.default(_device_template(index, dtype))
+    restride(t, storage, 0, [0], [1])
+    return t
 
 
 def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
-    """Point ``t`` at ``storage`` with the given geometry (no data moves)."""
-    _set_storage(_META, t, storage, offset, list(size), list(stride))
+    """Point ``t`` at ``storage`` with the given geometry (no data moves).
+
+    Resizable storages (tpu:0's) take the Meta kernel, which only grows their byte count;
+    fixed-size ones (tpu:N's, sized when made) take the CPU kernel, which resizes only when
+    the geometry does not fit, and none of ours ever needs that.
+    """
+    _set_storage(_META if storage.resizable() else _CPU, t, storage, offset, list(size), list(stride))
 
 
 # ---------------------------------------------------------------- reading and writing

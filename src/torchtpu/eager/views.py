@@ -15,17 +15,13 @@ from torchtpu.eager import dispatch
 aten = torch.ops.aten
 
 
-def _shell_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    dtype = dtype or t.dtype
-    index = t.device.index or 0
+def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor sharing ``base``'s storage with the given geometry (and dtype)."""
+    index = base.device.index or 0
     if index == 0:
-        return bridge._create_empty([0], dtype)
-    shell = aten.alias.default(t)
-    return shell if dtype == t.dtype else aten.view.dtype(shell, dtype)
-
-
-def make_view(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
-    view = _shell_like(base)
+        view = bridge._create_empty([0], dtype or base.dtype)
+    else:
+        view = bridge.shell_on(base.untyped_storage(), dtype or base.dtype, index)
     bridge.restride(view, base.untyped_storage(), offset, size, stride)
     return view
 
@@ -55,10 +51,8 @@ def view_dtype(self, dtype):
         return make_view(self, self.shape, self.stride(), self.storage_offset())
     meta = torch.empty_strided(tuple(self.shape), tuple(self.stride()), dtype=self.dtype,
                                device="meta").view(dtype)
-    shell = _shell_like(self, dtype)
     offset = self.storage_offset() * self.element_size() // dtype.itemsize
-    bridge.restride(shell, self.untyped_storage(), offset, meta.shape, meta.stride())
-    return shell
+    return make_view(self, meta.shape, meta.stride(), offset, dtype)
 
 
 def set_storage(self, source, storage_offset=0, size=(), stride=()):
@@ -97,9 +91,7 @@ def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     _check_size(size)
-    t = bridge.empty_shell((0,), dtype or torch.get_default_dtype(), _device_index(device))
-    bridge.restride(t, t.untyped_storage(), 0, size, stride)
-    return t
+    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device), stride)
 
 
 def _check_size(size) -> None:

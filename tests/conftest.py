@@ -1,0 +1,23 @@
+"""Shared test set-up: 4 XLA:CPU devices (for multi-device tests) and the tpu device."""
+
+import os
+
+# Must be set before JAX initialises its CPU client.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("TORCHTPU_PLATFORM", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtpu  # noqa: E402,F401
+
+
+@pytest.fixture
+def no_fallback():
+    """Run a test with the CPU fallback off, so a missing lowering fails loudly."""
+    previous = torch.tpu.is_cpu_fallback_enabled()
+    torch.tpu.enable_cpu_fallback(False)
+    try:
+        yield
+    finally:
+        torch.tpu.enable_cpu_fallback(previous)
