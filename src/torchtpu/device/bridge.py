@@ -166,7 +166,15 @@ TORCH_JAX = {}
 def _allocate(t: torch.Tensor, storage) -> jax.Array:
     # `empty` tensors get their array on first use: XLA has no uninitialised memory, so zeros.
     numel = max(storage.nbytes() // t.element_size(), _extent(t))
-    array = jnp.zeros((numel,), to_jax_dtype(t.dtype), device=platform.jax_device(t.device.index or 0))
+    index = t.device.index or 0
+    try:
+        array = jnp.zeros((numel,), to_jax_dtype(t.dtype), device=platform.jax_device(index))
+    except jax.errors.JaxRuntimeError as exc:
+        from torchtpu.runtime import errors
+
+        if errors.is_out_of_memory(exc):
+            raise errors.out_of_memory(exc, index, "allocating a tensor") from None
+        raise
     storage._jax = array
     return array
 

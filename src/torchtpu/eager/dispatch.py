@@ -213,7 +213,7 @@ class Kernel:
         if self.lowering.random:
             dyn = (*rng.next_key_args(index), *dyn)
         metrics.count_op(self.name)
-        return index, modes.execute(self, fn, dyn)
+        return index, modes.execute(self, fn, dyn, index)
 
     def __call__(self, *args, **kwargs):
         index, out = self.arrays(args, kwargs)

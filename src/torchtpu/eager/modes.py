@@ -9,6 +9,7 @@ from typing import Iterator
 import jax
 
 from torchtpu.config import config
+from torchtpu.runtime import errors
 
 
 class EagerMode(enum.Enum):
@@ -84,13 +85,16 @@ def flush(reason: str) -> None:
         fused_executor.flush(reason)
 
 
-def execute(kernel, fn, dyn):
+def execute(kernel, fn, dyn, device_index: int | None = None):
     """Run one op's jitted program ``fn`` on ``dyn`` in the current mode."""
-    if _mode is EagerMode.DEFER_NEVER:
-        return fn(*dyn)
-    if _mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-        try:
+    try:
+        if _mode is EagerMode.DEFER_NEVER:
+            return fn(*dyn)
+        if _mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             return jax.block_until_ready(fn(*dyn))
-        except Exception as exc:  # name the op that failed, as CUDA_LAUNCH_BLOCKING users expect
-            raise RuntimeError(f"tpu: {kernel.name} failed: {exc}") from exc
-    return fused_executor.record(kernel, fn, dyn)
+        return fused_executor.record(kernel, fn, dyn)
+    except jax.errors.JaxRuntimeError as exc:
+        if errors.is_out_of_memory(exc):
+            raise errors.out_of_memory(exc, device_index, kernel.name) from None
+        # name the op that failed, as CUDA_LAUNCH_BLOCKING users expect
+        raise RuntimeError(f"tpu: {kernel.name} failed: {exc}") from exc

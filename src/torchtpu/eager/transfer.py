@@ -12,6 +12,7 @@ import torch
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes
+from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform
 
 aten = torch.ops.aten
@@ -39,6 +40,7 @@ def numpy_to_host(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def to_device(t: torch.Tensor, index: int) -> jax.Array:
     """Send a CPU tensor's values to ``tpu:index``."""
+    to_jax_dtype(t.dtype)  # a clear error for dtypes XLA cannot hold
     array = host_to_numpy(t)
     metrics.count_transfer("to_device", array.nbytes)
     return jax.device_put(array, platform.jax_device(index))
@@ -85,6 +87,41 @@ def _copy_from_and_resize(self, dst):
     return copy_(dst, self)
 
 
+@functools.cache
+def _cast(dtype):
+    return jax.jit(lambda x: x.astype(dtype))
+
+
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    """``.to(device, dtype)`` to or from a tpu tensor: a cast on the device, a move, or a copy."""
+    dtype = dtype or self.dtype
+    device = torch.device(device) if device is not None else self.device
+    if self.device.type != "tpu":  # host → tpu (PyTorch routes by the target device)
+        index = device.index if device.index is not None else _current_device()
+        return bridge.wrap(to_device(self.to(dtype), index), index)
+    if device.type == "cpu":
+        return to_host(self).to(dtype)
+    if device.type != "tpu":
+        raise RuntimeError(f"tpu: cannot copy a tpu tensor to {device} directly; go through .cpu() first")
+    index = device.index if device.index is not None else (self.device.index or 0)
+    value = bridge.read(self)
+    target = bridge.TORCH_JAX[dtype]
+    if value.dtype != target:
+        value = _cast(target)(value)
+    elif value is getattr(self.untyped_storage(), bridge.ATTR, None):
+        value = _cast(target)(value)  # a copy must not share the source's buffer
+    if index != (self.device.index or 0):
+        value = jax.device_put(value, platform.jax_device(index))
+    return bridge.wrap(value, index)
+
+
+def _current_device() -> int:
+    from torchtpu.device.module import current_device
+
+    return current_device()
+
+
 def _local_scalar_dense(self):
     modes.flush("item")
     return bridge.read(self).item()
@@ -95,4 +132,5 @@ KERNELS = {
     aten._copy_from.default: _copy_from,
     aten._copy_from_and_resize.default: _copy_from_and_resize,
     aten._local_scalar_dense.default: _local_scalar_dense,
+    aten._to_copy.default: _to_copy,
 }

@@ -1,0 +1,39 @@
+"""Translating XLA runtime errors into the exceptions PyTorch users know."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import torch
+
+_BYTES = re.compile(r"allocat\w*\s+(\d+)\s*bytes")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def out_of_memory(exc: BaseException, device_index: int | None, what: str) -> torch.OutOfMemoryError:
+    """A ``torch.OutOfMemoryError`` for an XLA RESOURCE_EXHAUSTED error, with the sizes involved."""
+    match = _BYTES.search(str(exc))
+    asked = f"Tried to allocate {_gib(int(match.group(1)))}" if match else "An allocation failed"
+    detail = ""
+    if device_index is not None:
+        try:
+            from torchtpu.device import module
+
+            stats = module.memory_stats(device_index)
+            props = module.get_device_properties(device_index)
+            total = f"{_gib(props.total_memory)} total capacity; " if props.total_memory else ""
+            detail = f" (tpu:{device_index}; {total}{_gib(stats['allocated_bytes.all.current'])} already allocated)"
+        except Exception:
+            detail = f" (tpu:{device_index})"
+    return torch.OutOfMemoryError(
+        f"tpu out of memory in {what}. {asked}{detail}. Free tensors you no longer need (del, "
+        f"torch.tpu.empty_cache()), reduce the batch size, or use torch.compile so XLA can reuse buffers. "
+        f"XLA said: {str(exc).splitlines()[0]}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)

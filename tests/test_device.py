@@ -1,0 +1,227 @@
+"""The ``torch.tpu`` module, multiple devices, RNG, eager modes and the CPU fallback."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import torchtpu
+
+
+def test_autoload_with_plain_import_torch():
+    code = "import torch; print(torch.randn(2, 2, device='tpu').sum().item() is not None, torch.tpu.is_available())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True"
+
+
+def test_device_module_basics():
+    assert torch.tpu.is_available()
+    assert torch.tpu.is_initialized()
+    assert torch.tpu.device_count() == 4  # conftest asks XLA for 4 CPU devices
+    assert torch.tpu.get_device_name() == "XLA:CPU"
+    props = torch.tpu.get_device_properties(0)
+    assert props.name == "XLA:CPU" and props.platform == "cpu"
+    assert torch.tpu.get_amp_supported_dtype() == [torch.bfloat16, torch.float16]
+
+
+def test_current_device_and_context():
+    assert torch.tpu.current_device() == 0
+    with torch.tpu.device(2):
+        assert torch.tpu.current_device() == 2
+        x = torch.ones(2, device="tpu")
+        assert x.device == torch.device("tpu", 2)
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device("tpu:1")
+    try:
+        assert torch.tpu.current_device() == 1
+    finally:
+        torch.tpu.set_device(0)
+    with pytest.raises(RuntimeError, match="Invalid device ordinal"):
+        torch.tpu.set_device(9)
+
+
+def test_multi_device_placement():
+    a = torch.arange(6.0).reshape(2, 3)
+    for i in range(torch.tpu.device_count()):
+        x = a.to(f"tpu:{i}")
+        assert x.device == torch.device("tpu", i)
+        y = (x * 2).t()[1]
+        assert y.device == torch.device("tpu", i)
+        assert_close(y.cpu(), (a * 2).t()[1])
+        # the jax.Array lives on the matching PJRT device
+        assert torchtpu.device.bridge.read(x).devices() == {torchtpu.runtime.platform.jax_device(i)}
+    moved = a.to("tpu:1").to("tpu:3")
+    assert moved.device == torch.device("tpu", 3)
+    assert_close(moved.cpu(), a)
+
+
+def test_synchronize_streams_events():
+    x = torch.randn(64, 64, device="tpu")
+    start = torch.tpu.Event(enable_timing=True)
+    end = torch.tpu.Event(enable_timing=True)
+    start.record()
+    y = x * 2
+    end.record()
+    torch.tpu.synchronize()
+    assert start.elapsed_time(end) >= 0
+    s = torch.tpu.current_stream()
+    s.synchronize()
+    assert s.query()
+    assert_close(y.cpu(), x.cpu() * 2)
+
+
+def test_memory_stats_track_live_buffers():
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated()
+    x = torch.ones(1024, 1024, device="tpu") * 2
+    torch.tpu.synchronize()
+    during = torch.tpu.memory_allocated()
+    assert during - before >= 4 * 1024 * 1024
+    assert torch.tpu.max_memory_allocated() >= during
+    stats = torch.tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == during
+    del x
+    torch.tpu.empty_cache()
+    assert torch.tpu.memory_allocated() < during
+
+
+# ---------------------------------------------------------------- random numbers
+
+def test_same_seed_same_numbers():
+    torch.manual_seed(123)
+    a = torch.randn(5, device="tpu").cpu()
+    b = torch.rand(5, device="tpu").cpu()
+    torch.manual_seed(123)
+    assert_close(torch.randn(5, device="tpu").cpu(), a)
+    assert_close(torch.rand(5, device="tpu").cpu(), b)
+    c = torch.randn(5, device="tpu").cpu()
+    assert not torch.equal(c, a)
+
+
+def test_rng_state_round_trip():
+    torch.tpu.manual_seed(7)
+    state = torch.tpu.get_rng_state()
+    assert state.dtype == torch.uint8
+    a = torch.randn(4, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    assert_close(torch.randn(4, device="tpu").cpu(), a)
+    assert torch.tpu.initial_seed() == 7
+    s = torch.tpu.seed()
+    assert torch.tpu.initial_seed() == s
+
+
+def test_manual_seed_all_and_per_device():
+    torch.tpu.manual_seed_all(5)
+    a0 = torch.randn(3, device="tpu:0").cpu()
+    with torch.tpu.device(1):
+        torch.tpu.manual_seed(5)
+    a1 = torch.randn(3, device="tpu:1").cpu()
+    assert_close(a0, a1)
+
+
+# ---------------------------------------------------------------- eager modes
+
+def test_eager_modes_property_and_context():
+    assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+        x = torch.randn(3, device="tpu")
+        assert_close((x + 1).cpu(), x.cpu() + 1)
+    assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER
+    torch.tpu.eager_mode = "defer_never_and_launch_blocking"
+    try:
+        assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    finally:
+        torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_NEVER
+    with pytest.raises(ValueError, match="unknown eager mode"):
+        torch.tpu.eager_mode = "fastest"
+
+
+def test_launch_blocking_env_var():
+    code = "import torch; print(torch.tpu.eager_mode.name)"
+    env = dict(os.environ, TORCHTPU_LAUNCH_BLOCKING="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "DEFER_NEVER_AND_LAUNCH_BLOCKING", out.stderr
+
+
+def test_bad_env_value_is_a_clear_error():
+    code = "import torch; torch.randn(1, device='tpu')"
+    env = dict(os.environ, TORCHTPU_LAUNCH_BLOCKING="maybe")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "TORCHTPU_LAUNCH_BLOCKING" in out.stderr
+
+
+# ---------------------------------------------------------------- CPU fallback
+
+# A custom op with only a CPU kernel: torchtpu has no lowering and PyTorch no decomposition for it.
+_lib = torch.library.Library("torchtpu_test", "DEF")
+_lib.define("scaled_cumsum(Tensor x, float scale) -> Tensor")
+_lib.impl("scaled_cumsum", lambda x, scale: torch.cumsum(x, 0) * scale, "CPU")
+
+
+def test_cpu_fallback_on_counts_and_warns():
+    torchtpu.metrics.reset()
+    x = torch.randn(5)
+    with pytest.warns(UserWarning, match="torchtpu_test.scaled_cumsum.default has no lowering"):
+        out = torch.ops.torchtpu_test.scaled_cumsum(x.to("tpu"), 2.0)
+    assert out.device.type == "tpu"
+    assert_close(out.cpu(), torch.cumsum(x, 0) * 2.0)
+    torch.ops.torchtpu_test.scaled_cumsum(x.to("tpu"), 2.0)  # warned once, counted twice
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"]["torchtpu_test.scaled_cumsum.default"] == 2
+
+
+def test_cpu_fallback_off_raises_naming_the_op(no_fallback):
+    with pytest.raises(NotImplementedError, match=r"torchtpu_test.scaled_cumsum.default.*enable_cpu_fallback"):
+        torch.ops.torchtpu_test.scaled_cumsum(torch.randn(3, device="tpu"), 2.0)
+
+
+def test_cpu_fallback_off_raises(no_fallback):
+    from torchtpu.eager.fallback import cpu_fallback
+
+    with pytest.raises(NotImplementedError, match="enable_cpu_fallback"):
+        cpu_fallback(torch.ops.aten.kron.default, torch.randn(2, device="tpu"), torch.randn(2, device="tpu"))
+
+
+def test_cpu_fallback_writes_back_inplace_args():
+    from torchtpu.eager.fallback import cpu_fallback
+
+    torchtpu.metrics.reset()
+    x = torch.randn(3, 4)
+    t = x.to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = cpu_fallback(torch.ops.aten.mul_.Scalar, t, 3.0)
+    assert result is t
+    assert_close(t.cpu(), x * 3)
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"]["aten.mul_.Scalar"] == 1
+
+
+# ---------------------------------------------------------------- errors
+
+def test_mixed_devices_error_message():
+    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least "
+                                           r"two devices, tpu:0 and cpu!"):
+        torch.ones(3, device="tpu") + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(3, device="tpu:0") + torch.ones(3, device="tpu:1")
+
+
+def test_numpy_needs_cpu_first():
+    with pytest.raises(TypeError, match=r"cpu\(\)"):
+        torch.ones(3, device="tpu").numpy()
+
+
+def test_out_of_memory_is_torch_oom():
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 4096.00 GiB"):
+        x = torch.empty(2**40, device="tpu")
+        (x + 1).cpu()
+
+
+def test_unsupported_dtype_is_clear():
+    with pytest.raises(TypeError, match="not supported on the tpu device"):
+        torch.ones(3, dtype=torch.float8_e4m3fn).to("tpu").cpu()
