@@ -21,3 +21,13 @@ def no_fallback():
         yield
     finally:
         torch.tpu.enable_cpu_fallback(previous)
+
+
+EAGER_MODES = ["DEFER_NEVER", "DEFER_AND_FUSE"]
+
+
+@pytest.fixture(params=EAGER_MODES)
+def each_eager_mode(request):
+    """Run a test once per eager mode (``pytestmark = pytest.mark.usefixtures("each_eager_mode")``)."""
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, request.param)):
+        yield request.param

@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+pytestmark = pytest.mark.usefixtures("each_eager_mode")
+
 
 def both(fn, *tensors):
     """Run ``fn`` on CPU copies and on tpu copies of ``tensors``; return (cpu, tpu-moved-back)."""

@@ -31,8 +31,18 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispa
 
 ATTR = "_jax"
 # Types of deferred values a storage may hold instead of a jax.Array (the fused eager mode adds
-# its own); they have a ``materialize()`` method that returns the array.
+# its own); they have ``shape``, ``dtype``, ``size`` and a ``materialize()`` that returns the array.
 LAZY_TYPES: tuple[type, ...] = ()
+# While the fused eager mode records, ``deferring`` is True and ``apply`` records a jitted call
+# instead of running it; otherwise ``apply(fn, *args)`` is ``fn(*args)``.
+deferring = False
+
+
+def _run(fn, *args):
+    return fn(*args)
+
+
+apply = _run
 
 
 # ---------------------------------------------------------------- tensor shells on tpu:N
@@ -152,12 +162,18 @@ def read(t: torch.Tensor) -> jax.Array:
     array = getattr(storage, ATTR, None)
     if array is None:
         array = _allocate(t, storage)
-    elif isinstance(array, LAZY_TYPES):
+    elif isinstance(array, LAZY_TYPES) and not deferring:
         array = array.materialize()
     if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
         return array
-    return _gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                   to_jax_dtype(t.dtype))(array)
+    return apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                         to_jax_dtype(t.dtype)), array)
+
+
+def concrete(t: torch.Tensor) -> jax.Array:
+    """Like ``read``, but always a real ``jax.Array`` (runs pending deferred work if needed)."""
+    array = read(t)
+    return array.materialize() if isinstance(array, LAZY_TYPES) else array
 
 
 TORCH_JAX = {}
@@ -189,21 +205,26 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     """Store ``value`` (``t``'s shape; cast to ``t``'s dtype) into ``t``'s elements, in place."""
     dtype = to_jax_dtype(t.dtype)
     if value.dtype != dtype:
-        value = _cast(dtype)(value)
+        value = apply(_cast(dtype), value)
     if tuple(value.shape) != tuple(t.shape):
-        value = _broadcast(tuple(t.shape))(value)
+        value = apply(_broadcast(tuple(t.shape)), value)
     storage = t.untyped_storage()
     array = getattr(storage, ATTR, None)
-    if isinstance(array, LAZY_TYPES):
+    if isinstance(array, LAZY_TYPES) and not deferring:
         array = array.materialize()
-    if array is None or (_is_owner(t, array) and array.dtype == dtype) or \
+    if array is None:
+        if t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() >= storage.nbytes():
+            storage._jax = value  # t covers its whole (empty) storage
+            return
+        array = _allocate(t, storage)
+    if (_is_owner(t, array) and array.dtype == dtype) or \
             (t.storage_offset() == 0 and t.is_contiguous() and array.size == t.numel() and array.dtype == dtype):
-        if array is not None and array.shape != value.shape:
-            value = value.reshape(array.shape)
+        if array.shape != value.shape:
+            value = apply(_reshape(tuple(array.shape)), value)
         storage._jax = value
         return
-    storage._jax = _scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()),
-                            t.storage_offset(), dtype)(array, value)
+    storage._jax = apply(_scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()),
+                                  t.storage_offset(), dtype), array, value)
 
 
 def set_array(t: torch.Tensor, array: jax.Array) -> None:
@@ -214,6 +235,11 @@ def set_array(t: torch.Tensor, array: jax.Array) -> None:
 @functools.cache
 def _cast(dtype):
     return jax.jit(lambda x: x.astype(dtype))
+
+
+@functools.cache
+def _reshape(shape):
+    return jax.jit(lambda x: x.reshape(shape))
 
 
 @functools.cache

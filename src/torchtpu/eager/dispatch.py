@@ -96,11 +96,12 @@ class Call:
     array, a ``TensorList`` for a list of them, or the static value itself (lists as tuples).
     """
 
-    __slots__ = ("key", "dyn", "device")
+    __slots__ = ("key", "dyn", "device", "read")
 
-    def __init__(self, sig: _Signature, args, kwargs):
+    def __init__(self, sig: _Signature, args, kwargs, concrete: bool = False):
         dyn: list = []
         self.device = None
+        self.read = bridge.concrete if concrete else bridge.read
         kinds = sig.positional
         nkinds = len(kinds)
         positional = tuple(self._take(kinds[i] if i < nkinds else _STATIC, a, dyn) for i, a in enumerate(args))
@@ -140,7 +141,7 @@ class Call:
                 self.device = device
             elif self.device != device:
                 raise device_mismatch(self.device, device)
-            return bridge.read(t)
+            return self.read(t)
         if t.dim() == 0 and device.type == "cpu":
             # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
             return np.asarray(t.item(), dtype=bridge.TORCH_JAX[t.dtype])
@@ -205,7 +206,11 @@ class Kernel:
 
     def arrays(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
-        call = Call(self.sig, args, kwargs)
+        if not self.lowering.jit and bridge.deferring:
+            modes.flush("data_dependent")  # the output shape depends on values: they must exist
+            call = Call(self.sig, args, kwargs, concrete=True)
+        else:
+            call = Call(self.sig, args, kwargs)
         index = _device_index(call, kwargs, self.sig)
         factory = call.device is None
         fn = self.compiled(call.key, index if factory else None)

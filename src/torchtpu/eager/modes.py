@@ -45,7 +45,9 @@ def set_mode(mode: EagerMode | str) -> None:
     if mode is EagerMode.DEFER_AND_FUSE:
         _require_fused()
     if _mode is EagerMode.DEFER_AND_FUSE and mode is not EagerMode.DEFER_AND_FUSE:
-        flush("mode_change")
+        fused_executor.leave()
+    elif mode is EagerMode.DEFER_AND_FUSE and _mode is not EagerMode.DEFER_AND_FUSE:
+        fused_executor.enter()
     _mode = mode
 
 
@@ -85,10 +87,18 @@ def flush(reason: str) -> None:
         fused_executor.flush(reason)
 
 
+def install_fused(executor) -> None:
+    """Plug in the DEFER_AND_FUSE executor; start recording if that is the initial mode."""
+    global fused_executor
+    fused_executor = executor
+    if _mode is EagerMode.DEFER_AND_FUSE:
+        executor.enter()
+
+
 def execute(kernel, fn, dyn, device_index: int | None = None):
     """Run one op's jitted program ``fn`` on ``dyn`` in the current mode."""
     try:
-        if _mode is EagerMode.DEFER_NEVER:
+        if _mode is EagerMode.DEFER_NEVER or not kernel.lowering.jit:
             return fn(*dyn)
         if _mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             return jax.block_until_ready(fn(*dyn))

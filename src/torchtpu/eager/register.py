@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch._ops import OpOverload
 
-from torchtpu.eager import dispatch, fallback, transfer, views
+from torchtpu.eager import dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import registry
 
 aten = torch.ops.aten
@@ -72,3 +72,4 @@ def install() -> None:
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback_lib.fallback(fallback.fallback, "PrivateUse1")
     _libs.extend([lib, fallback_lib])
+    modes.install_fused(fused.executor)

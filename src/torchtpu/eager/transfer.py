@@ -48,8 +48,9 @@ def to_device(t: torch.Tensor, index: int) -> jax.Array:
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A ``tpu`` tensor's values as a new CPU tensor."""
-    modes.flush("transfer_to_host")
-    array = np.asarray(bridge.read(t))
+    if bridge.deferring:
+        modes.flush("transfer_to_host")
+    array = np.asarray(bridge.concrete(t))
     metrics.count_transfer("to_host", array.nbytes)
     return numpy_to_host(array, t.dtype).reshape(t.shape)
 
@@ -67,12 +68,12 @@ def copy_(self, src, non_blocking=False):
     if src.device.type == "tpu":
         value = bridge.read(src)
         if (src.device.index or 0) != index:
-            value = jax.device_put(value, platform.jax_device(index))
+            value = jax.device_put(bridge.concrete(src), platform.jax_device(index))
     else:
         value = to_device(src, index)
     target = bridge.TORCH_JAX[self.dtype]
     if tuple(value.shape) != tuple(self.shape) or value.dtype != target:
-        value = _to_shape(tuple(self.shape), target)(value)
+        value = bridge.apply(_to_shape(tuple(self.shape), target), value)
     bridge.write(self, value)
     return self
 
@@ -107,12 +108,11 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     index = device.index if device.index is not None else (self.device.index or 0)
     value = bridge.read(self)
     target = bridge.TORCH_JAX[dtype]
-    if value.dtype != target:
-        value = _cast(target)(value)
-    elif value is getattr(self.untyped_storage(), bridge.ATTR, None):
-        value = _cast(target)(value)  # a copy must not share the source's buffer
+    if value.dtype != target or value is getattr(self.untyped_storage(), bridge.ATTR, None):
+        value = bridge.apply(_cast(target), value)  # (a copy must not share the source's buffer)
     if index != (self.device.index or 0):
-        value = jax.device_put(value, platform.jax_device(index))
+        value = jax.device_put(value.materialize() if isinstance(value, bridge.LAZY_TYPES) else value,
+                               platform.jax_device(index))
     return bridge.wrap(value, index)
 
 
@@ -123,8 +123,9 @@ def _current_device() -> int:
 
 
 def _local_scalar_dense(self):
-    modes.flush("item")
-    return bridge.read(self).item()
+    if bridge.deferring:
+        modes.flush("item")
+    return bridge.concrete(self).item()
 
 
 KERNELS = {

@@ -86,7 +86,9 @@ def _device_index(device) -> int:
 def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     """A new tensor; its array is made (as zeros) when first read: XLA has no uninitialised memory."""
     _check_size(size)
-    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device))
+    # explicit strides make the storage's byte count right, which views of it rely on
+    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device),
+                              bridge._contiguous_strides(size))
 
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
