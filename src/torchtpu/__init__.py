@@ -6,7 +6,16 @@
 
 from __future__ import annotations
 
-import jax
+
+def _autoload() -> None:
+    """Entry point for PyTorch's device-backend autoload: importing this package registers ``tpu``.
+
+    Defined before anything imports torch: ``import torchtpu`` first imports torch, whose
+    autoload then finds this (partially initialised) module and calls this function.
+    """
+
+
+import jax  # noqa: E402
 
 # torch's int64/float64 semantics need JAX's 64-bit mode: the one JAX setting torchtpu changes.
 jax.config.update("jax_enable_x64", True)
@@ -19,10 +28,6 @@ _register()
 
 from torchtpu import metrics  # noqa: E402
 from torchtpu.eager.modes import EagerMode  # noqa: E402
-
-
-def _autoload() -> None:
-    """Entry point for PyTorch's device-backend autoload: importing this package registers ``tpu``."""
 
 
 __all__ = ["EagerMode", "metrics", "__version__"]

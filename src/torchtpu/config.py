@@ -93,6 +93,11 @@ def env_table() -> str:
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for s in SETTINGS:
         default = s.default()
-        shown = "(auto)" if default == "" else ("`~/.cache/torchtpu`" if s.name == "cache_dir" else f"`{default}`")
+        if s.name == "cache_dir":
+            shown = "`~/.cache/torchtpu`"
+        elif default == "":
+            shown = "(auto)" if s.name == "platform" else "(unset)"
+        else:
+            shown = f"`{int(default) if isinstance(default, bool) else default}`"
         rows.append(f"| `{s.env}` | {shown} | {s.help} |")
     return "\n".join(rows)
