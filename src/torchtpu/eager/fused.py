@@ -21,6 +21,7 @@ from collections import Counter
 import jax
 
 from torchtpu.device import bridge
+from torchtpu.runtime import errors
 
 MAX_NODES = 4096
 
@@ -165,10 +166,12 @@ class FusedExecutor:
             start = time.perf_counter()
             try:
                 results = program(*graph.inputs)
-            except Exception as exc:
+            except jax.errors.JaxRuntimeError as exc:
                 names = ", ".join(sorted({getattr(graph.nodes[n][0], "__name__", "?") for n in needed})[:8])
-                raise RuntimeError(f"tpu: the fused program ({len(needed)} ops: {names}) failed when "
-                                   f"materialising ({reason}): {exc}") from exc
+                what = f"a fused program of {len(needed)} ops ({names}) run for {reason}"
+                if errors.is_out_of_memory(exc):
+                    raise errors.out_of_memory(exc, None, what) from None
+                raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
             self.stats["run_seconds"] += time.perf_counter() - start
             for (_, _, deferred), value in zip(live, results):
                 deferred.value = value
