@@ -26,8 +26,15 @@ __version__ = "0.1.0"
 
 _register()
 
+import torch  # noqa: E402
+
+from torchtpu import compile as _compile  # noqa: E402
 from torchtpu import metrics  # noqa: E402
 from torchtpu.eager.modes import EagerMode  # noqa: E402
+
+# The layers above the device plug into torch.tpu here, so nothing below reaches up.
+_compile.install()
+torch.tpu.compiler = _compile.compiler
 
 
 __all__ = ["EagerMode", "metrics", "__version__"]
