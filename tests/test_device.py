@@ -225,3 +225,35 @@ def test_out_of_memory_is_torch_oom():
 def test_unsupported_dtype_is_clear():
     with pytest.raises(TypeError, match="not supported on the tpu device"):
         torch.ones(3, dtype=torch.float8_e4m3fn).to("tpu").cpu()
+
+
+# ---------------------------------------------------------------- serialization and storages
+
+def test_save_load_round_trip(tmp_path):
+    x = torch.randn(4, 5)
+    t = x.to("tpu") * 2
+    model = torch.nn.Linear(3, 2)
+    state = {"t": t, "view": t.t()[1:], "bf16": x.bfloat16().to("tpu:1"), "bool": (t > 0),
+             "model": model.to("tpu").state_dict()}
+    torch.save(state, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt")
+    assert loaded["t"].device == torch.device("tpu", 0)
+    assert loaded["bf16"].device == torch.device("tpu", 1)
+    assert_close(loaded["t"].cpu(), x * 2)
+    assert_close(loaded["view"].cpu(), (x * 2).t()[1:])
+    assert loaded["view"].stride() == (1, 5)
+    assert_close(loaded["bf16"].cpu(), x.bfloat16())
+    assert_close(loaded["bool"].cpu(), x * 2 > 0)
+    assert_close((loaded["t"] + 1).cpu(), x * 2 + 1)  # loaded tensors compute
+    on_cpu = torch.load(tmp_path / "ckpt.pt", map_location="cpu")
+    assert on_cpu["model"]["weight"].device.type == "cpu"
+    assert_close(on_cpu["model"]["weight"], model.weight.detach().cpu())
+
+
+def test_storages_have_sizes_and_distinct_addresses():
+    a = torch.randn(4, 5, device="tpu")
+    b = a * 2
+    assert a.untyped_storage().nbytes() == 80 and b.untyped_storage().nbytes() == 80
+    assert a.data_ptr() != b.data_ptr() and a.data_ptr() != 0
+    v = b.t()[1:]
+    assert v.data_ptr() == b.data_ptr() + 4  # a view points into its base, as on any device

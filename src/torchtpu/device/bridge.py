@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -108,26 +109,51 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
+# Every storage gets a unique, never reused, fake device address and its real byte count, so
+# data_ptr(), storage sizes, torch.save and sharing checks behave as on any device. Nothing
+# dereferences these addresses: the bytes live in the storage's jax.Array.
+_address_lock = threading.Lock()
+_next_address = 1 << 40
+_DEVICES: dict[int, torch.device] = {}
+
+
+def new_storage(nbytes: int, index: int):
+    """A fresh, fixed-size ``tpu:index`` storage of ``nbytes`` bytes (no data attached)."""
+    global _next_address
+    with _address_lock:
+        address = _next_address
+        _next_address += (nbytes // 64 + 2) * 64
+    device = _DEVICES.get(index)
+    if device is None:
+        device = _DEVICES[index] = torch.device("tpu", index)
+    return _new_storage(address, device, nbytes)
+
+
+_new_storage = torch._C._construct_storage_from_data_pointer
+
+
+def _shell(dtype: torch.dtype, index: int) -> torch.Tensor:
+    """A new 0-element tensor on ``tpu:index`` (its storage is replaced by ``restride``)."""
+    if index == 0:
+        return _create_empty(_EMPTY, dtype)
+    return torch.ops.aten.alias.default(_device_template(index, dtype))
+
+
+_EMPTY = [0]
+
+
 def empty_shell(shape, dtype: torch.dtype, index: int = 0, strides=None) -> torch.Tensor:
     """A new ``tpu:index`` tensor with a fresh storage and no data attached yet."""
-    if index == 0 and strides is None:
-        return _create_empty(shape, dtype)
     strides = list(strides) if strides is not None else _contiguous_strides(shape)
-    if index == 0:
-        t = _create_empty([0], dtype)
-        restride(t, t.untyped_storage(), 0, shape, strides)
-        return t
-    template = _device_template(index, dtype)
     extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    storage = torch._C._construct_storage_from_data_pointer(0, template.device, extent * dtype.itemsize)
-    t = torch.ops.aten.alias.default(template)
-    restride(t, storage, 0, shape, strides)
+    t = _shell(dtype, index)
+    _set_storage(_CPU, t, new_storage(extent * dtype.itemsize, index), 0, list(shape), strides)
     return t
 
 
 def shell_on(storage, dtype: torch.dtype, index: int) -> torch.Tensor:
     """A new tensor on ``tpu:index`` sharing ``storage`` (its geometry is set by the caller)."""
-    t = _create_empty([0], dtype) if index == 0 else torch.ops.aten.alias.default(_device_template(index, dtype))
+    t = _shell(dtype, index)
     restride(t, storage, 0, [0], [1])
     return t
 
@@ -135,20 +161,23 @@ def shell_on(storage, dtype: torch.dtype, index: int) -> torch.Tensor:
 def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
     """Point ``t`` at ``storage`` with the given geometry (no data moves).
 
-    Resizable storages (tpu:0's) take the Meta kernel, which only grows their byte count;
-    fixed-size ones (tpu:N's, sized when made) take the CPU kernel, which resizes only when
-    the geometry does not fit, and none of ours ever needs that.
+    Our storages are fixed-size, so this takes the CPU ``set_`` kernel, which only resizes a
+    storage the geometry does not fit (never the case for views); a resizable storage (made by
+    PyTorch itself) takes the Meta kernel, which only grows its byte count.
     """
-    _set_storage(_META if storage.resizable() else _CPU, t, storage, offset, list(size), list(stride))
+    _set_storage(_CPU if not storage.resizable() else _META, t, storage, offset, list(size), list(stride))
 
 
 # ---------------------------------------------------------------- reading and writing
 
 def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device)."""
-    t = _create_empty(array.shape, to_torch_dtype(array.dtype)) if index == 0 else \
-        empty_shell(array.shape, to_torch_dtype(array.dtype), index)
-    t.untyped_storage()._jax = array
+    shape = array.shape
+    dtype = TORCH_OF[array.dtype]
+    storage = new_storage(array.size * dtype.itemsize, index)
+    t = _shell(dtype, index)
+    _set_storage(_CPU, t, storage, 0, list(shape), _contiguous_strides(shape))
+    storage._jax = array
     return t
 
 
@@ -166,8 +195,12 @@ def read(t: torch.Tensor) -> jax.Array:
         array = array.materialize()
     if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
         return array
-    return apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                         to_jax_dtype(t.dtype)), array)
+    value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                          to_jax_dtype(t.dtype)), array)
+    if t.storage_offset() == 0 and t.is_contiguous() and value.size * value.dtype.itemsize == array.size * \
+            array.dtype.itemsize:
+        storage._jax = value  # same bytes, now in the shape and dtype readers use (e.g. after torch.load)
+    return value
 
 
 def concrete(t: torch.Tensor) -> jax.Array:
@@ -176,7 +209,8 @@ def concrete(t: torch.Tensor) -> jax.Array:
     return array.materialize() if isinstance(array, LAZY_TYPES) else array
 
 
-TORCH_JAX = {}
+TORCH_JAX = {}  # torch dtype → numpy dtype
+TORCH_OF = {}  # numpy dtype → torch dtype
 
 
 def _allocate(t: torch.Tensor, storage) -> jax.Array:
@@ -256,16 +290,22 @@ def _indices(shape, strides, offset) -> np.ndarray:
     return idx
 
 
-def _bitcast(x, dtype):
-    if x.dtype == dtype:
-        return x
-    if np.dtype(x.dtype).itemsize != np.dtype(dtype).itemsize:
-        raise NotImplementedError(
-            f"tpu: viewing a {x.dtype} storage as {dtype} with a different element size is not supported")
-    if x.dtype == np.bool_ or dtype == np.bool_:
-        return jax.lax.bitcast_convert_type(x.astype(np.uint8) if x.dtype == np.bool_ else x, np.uint8).astype(dtype) \
-            if dtype == np.bool_ else jax.lax.bitcast_convert_type(x.astype(np.uint8), dtype)
-    return jax.lax.bitcast_convert_type(x, dtype)
+def _bitcast(flat, dtype):
+    """Reinterpret a 1-D array's bytes as ``dtype`` (little-endian, as the storage's bytes)."""
+    src, dst = np.dtype(flat.dtype), np.dtype(dtype)
+    if src == dst:
+        return flat
+    if src == np.bool_:
+        flat, src = flat.astype(np.uint8), np.dtype(np.uint8)
+    target = np.dtype(np.uint8) if dst == np.bool_ else dst
+    if src.itemsize > target.itemsize:
+        out = jax.lax.bitcast_convert_type(flat, target).reshape(-1)
+    elif src.itemsize < target.itemsize:
+        ratio = target.itemsize // src.itemsize
+        out = jax.lax.bitcast_convert_type(flat[: flat.size // ratio * ratio].reshape(-1, ratio), target)
+    else:
+        out = jax.lax.bitcast_convert_type(flat, target)
+    return out.astype(np.bool_) if dst == np.bool_ else out
 
 
 @functools.cache
@@ -301,6 +341,7 @@ def _scatter(array_shape, array_dtype, shape, strides, offset, dtype):
 def _init_dtype_table():
     from torchtpu.ops.dtypes import TORCH_TO_JAX
     TORCH_JAX.update({k: np.dtype(v) for k, v in TORCH_TO_JAX.items()})
+    TORCH_OF.update({np.dtype(v): k for k, v in TORCH_TO_JAX.items()})
 
 
 _init_dtype_table()

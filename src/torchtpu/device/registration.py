@@ -6,6 +6,7 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from torchtpu.device import module as tpu_module
+from torchtpu.device import serialization
 from torchtpu.runtime import platform
 
 _done = False
@@ -43,5 +44,6 @@ def register() -> None:
         _setup_privateuseone_for_python_backend("tpu", backend_module=module, hook=_Hooks(),
                                                 device_guard=_Guard())
     eager_register.install()
+    serialization.install()
     platform.devices()
     _done = True

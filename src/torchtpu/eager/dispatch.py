@@ -287,23 +287,22 @@ class OutKernel:
 
 
 def resize(t: torch.Tensor, shape) -> None:
-    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, grown storage if needed."""
+    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, a grown storage if needed."""
     shape = tuple(int(s) for s in shape)
-    numel = math.prod(shape)
+    needed = t.storage_offset() + math.prod(shape)
     storage = t.untyped_storage()
-    array = getattr(storage, bridge.ATTR, None)
-    needed = t.storage_offset() + numel
-    strides = bridge._contiguous_strides(shape)
-    if array is not None and array.size < needed:
-        flat = array.reshape(-1)
-        grown = jax.numpy.zeros((needed,), flat.dtype, device=platform.jax_device(t.device.index or 0))
-        storage._jax = grown.at[: flat.size].set(flat)
-    if storage.nbytes() < needed * t.element_size() and (t.device.index or 0) != 0:
-        fresh = torch._C._construct_storage_from_data_pointer(0, t.device, needed * t.element_size())
-        if array is not None:
-            fresh._jax = storage._jax
-        storage = fresh
-    bridge.restride(t, storage, t.storage_offset(), shape, strides)
+    if storage.nbytes() < needed * t.element_size():
+        array = getattr(storage, bridge.ATTR, None)
+        grown = bridge.new_storage(needed * t.element_size(), t.device.index or 0)
+        if array is not None:  # keep the old elements, as PyTorch's resize_ does
+            if isinstance(array, bridge.LAZY_TYPES):
+                array = array.materialize()
+            flat = array.reshape(-1)
+            zeros = jax.numpy.zeros((needed * t.element_size() // flat.dtype.itemsize,), flat.dtype,
+                                    device=platform.jax_device(t.device.index or 0))
+            grown._jax = zeros.at[: flat.size].set(flat)
+        storage = grown
+    bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
 
 
 def _check_cast(from_dtype, to_dtype: torch.dtype, name: str) -> None:

@@ -17,11 +17,7 @@ aten = torch.ops.aten
 
 def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor sharing ``base``'s storage with the given geometry (and dtype)."""
-    index = base.device.index or 0
-    if index == 0:
-        view = bridge._create_empty([0], dtype or base.dtype)
-    else:
-        view = bridge.shell_on(base.untyped_storage(), dtype or base.dtype, index)
+    view = bridge._shell(dtype or base.dtype, base.device.index or 0)
     bridge.restride(view, base.untyped_storage(), offset, size, stride)
     return view
 
