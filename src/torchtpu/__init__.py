@@ -29,12 +29,16 @@ _register()
 import torch  # noqa: E402
 
 from torchtpu import compile as _compile  # noqa: E402
-from torchtpu import metrics  # noqa: E402
+from torchtpu import debug, metrics, profiler  # noqa: E402
 from torchtpu.eager.modes import EagerMode  # noqa: E402
+from torchtpu.memory import memory_summary  # noqa: E402
 
 # The layers above the device plug into torch.tpu here, so nothing below reaches up.
 _compile.install()
 torch.tpu.compiler = _compile.compiler
+torch.tpu.debug = debug
+torch.tpu.profiler = profiler
+torch.tpu.memory_summary = memory_summary
 
 
-__all__ = ["EagerMode", "metrics", "__version__"]
+__all__ = ["EagerMode", "debug", "memory_summary", "metrics", "profiler", "__version__"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch._ops import OpOverload
 
+from torchtpu import metrics
 from torchtpu.eager import dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import registry
 
@@ -73,3 +74,4 @@ def install() -> None:
     fallback_lib.fallback(fallback.fallback, "PrivateUse1")
     _libs.extend([lib, fallback_lib])
     modes.install_fused(fused.executor)
+    metrics.register_source("fused_eager", fused.stats)

@@ -1,0 +1,136 @@
+"""Device and host traces through JAX's profiler, viewable in TensorBoard, XProf or Perfetto.
+
+``trace(logdir)`` records XLA's device activity and JAX's own host spans (tracing, lowering,
+``backend_compile_and_load``, executions) plus torchtpu's spans: one per eager op dispatched
+(``dispatch aten.add.Tensor``), one per CPU fallback (``cpu_fallback aten.foo``), and one per
+``torch.profiler.record_function`` block, under its own name. The spans are installed only while
+a trace runs, so the eager path pays nothing otherwise.
+
+The trace lands in ``logdir/plugins/profile/<run>/<host>.xplane.pb`` (TensorBoard/XProf) and
+``<host>.trace.json.gz`` (Chrome trace format: Perfetto opens it; ``trace_events`` reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import json
+import os
+import threading
+from typing import Any, Iterator
+
+import jax
+import torch
+from jax.profiler import TraceAnnotation
+
+from torchtpu.eager import dispatch, fallback
+
+annotate = TraceAnnotation
+"""``with annotate("name"):`` marks a host span in the running trace (nearly free when none runs)."""
+
+active = False
+"""True while ``trace`` records."""
+
+_lock = threading.Lock()
+
+
+def _traced_arrays(original):
+    def arrays(self, args, kwargs):
+        with TraceAnnotation("dispatch " + self.name):
+            return original(self, args, kwargs)
+
+    return arrays
+
+
+def _traced_cpu_fallback(original):
+    def cpu_fallback(op, *args, **kwargs):
+        with TraceAnnotation(f"cpu_fallback {op}"):
+            return original(op, *args, **kwargs)
+
+    return cpu_fallback
+
+
+def _record_function_patches():
+    """``record_function.__enter__/__exit__`` that also open and close a JAX span of the same name."""
+    cls = torch.autograd.profiler.record_function
+    enter, exit_ = cls.__enter__, cls.__exit__
+
+    def __enter__(self):
+        result = enter(self)
+        self._torchtpu_span = TraceAnnotation(self.name)
+        self._torchtpu_span.__enter__()
+        return result
+
+    def __exit__(self, exc_type, exc_value, tb):
+        span = self.__dict__.pop("_torchtpu_span", None)
+        if span is not None:
+            span.__exit__(exc_type, exc_value, tb)
+        return exit_(self, exc_type, exc_value, tb)
+
+    return cls, {"__enter__": __enter__, "__exit__": __exit__}
+
+
+@contextlib.contextmanager
+def _patched(target, replacements: dict[str, Any]) -> Iterator[None]:
+    saved = {name: target.__dict__[name] for name in replacements}
+    for name, value in replacements.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(target, name, value)
+
+
+@contextlib.contextmanager
+def trace(logdir: str | os.PathLike, *, perfetto: bool = False, python_tracer: bool = False,
+          host_tracer_level: int = 2) -> Iterator[str]:
+    """Record a device and host trace of the block into ``logdir``; yields ``logdir``.
+
+    ``perfetto=True`` also writes ``perfetto_trace.json.gz`` for ui.perfetto.dev.
+    ``python_tracer=True`` adds a span per Python function call (large, slow to write).
+    Pending device work is waited for before the trace stops, so the block's ops are in it.
+    """
+    global active
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1 if python_tracer else 0
+    options.host_tracer_level = host_tracer_level
+    with _lock:
+        if active:
+            raise RuntimeError("a torchtpu.profiler.trace is already running; traces cannot nest")
+        active = True
+    try:
+        jax.profiler.start_trace(str(logdir), create_perfetto_trace=perfetto, profiler_options=options)
+        try:
+            record_cls, record_patches = _record_function_patches()
+            with _patched(dispatch.Kernel, {"arrays": _traced_arrays(dispatch.Kernel.arrays)}), \
+                    _patched(fallback, {"cpu_fallback": _traced_cpu_fallback(fallback.cpu_fallback)}), \
+                    _patched(record_cls, record_patches):
+                yield str(logdir)
+                _synchronize()
+        finally:
+            jax.profiler.stop_trace()
+    finally:
+        active = False
+
+
+def _synchronize() -> None:
+    if hasattr(torch, "tpu"):
+        torch.tpu.synchronize()
+
+
+def trace_files(logdir: str | os.PathLike, suffix: str = ".trace.json.gz") -> list[str]:
+    """The trace files under ``logdir`` ending in ``suffix``, oldest run first."""
+    pattern = os.path.join(str(logdir), "plugins", "profile", "*", "*" + suffix)
+    return sorted(glob.glob(pattern), key=os.path.getmtime)
+
+
+def trace_events(logdir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The complete events (spans) of the latest trace in ``logdir``: dicts with name, ts, dur, pid, tid."""
+    files = trace_files(logdir)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {logdir}/plugins/profile: was a trace recorded there?")
+    with gzip.open(files[-1], "rt") as fp:
+        events = json.load(fp)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X"]
