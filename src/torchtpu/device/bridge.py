@@ -102,11 +102,16 @@ def _device_template(index: int, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 def _contiguous_strides(shape) -> list[int]:
+    return list(_strides_of(tuple(shape)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides_of(shape: tuple) -> tuple:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
         acc *= max(n, 1)
-    return strides[::-1]
+    return tuple(strides[::-1])
 
 
 # Every storage gets a unique, never reused, fake device address and its real byte count, so
@@ -174,9 +179,9 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device)."""
     shape = array.shape
     dtype = TORCH_OF[array.dtype]
-    storage = new_storage(array.size * dtype.itemsize, index)
+    storage = new_storage(math.prod(shape) * dtype.itemsize, index)
     t = _shell(dtype, index)
-    _set_storage(_CPU, t, storage, 0, list(shape), _contiguous_strides(shape))
+    _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
     storage._jax = array
     return t
 
