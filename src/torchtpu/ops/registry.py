@@ -81,6 +81,7 @@ def load_all() -> dict[OpOverload, Lowering]:
     from torchtpu.ops import (  # noqa: F401
         elementwise,
         factories,
+        fft,
         indexing,
         linalg,
         nn,

@@ -1,0 +1,1 @@
+"""FFT ops: torch.fft lowered to jnp.fft."""
