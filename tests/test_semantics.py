@@ -294,3 +294,13 @@ def test_autograd_leaf_grad_on_tpu():
     (x * x).sum().backward()
     assert x.grad.device.type == "tpu"
     assert_close(x.grad.cpu(), 2 * x.detach().cpu())
+
+
+def test_complex_real_views_alias():
+    def fn(c):
+        r = torch.view_as_real(c)
+        r[0, 1, 0] = 7.0
+        back = torch.view_as_complex(r)
+        return c, back * 2
+
+    check(fn, torch.randn(3, 2, dtype=torch.complex64))

@@ -300,6 +300,13 @@ def _bitcast(flat, dtype):
     src, dst = np.dtype(flat.dtype), np.dtype(dtype)
     if src == dst:
         return flat
+    if src.kind == "c" or dst.kind == "c":  # XLA cannot bitcast complex: go through (re, im) pairs
+        if src.kind == "c":
+            pairs = jnp.stack([flat.real, flat.imag], -1).reshape(-1)
+            return _bitcast(pairs, dst)
+        part = np.dtype(np.float32 if dst == np.complex64 else np.float64)
+        pairs = _bitcast(flat, part).reshape(-1, 2)
+        return jax.lax.complex(pairs[:, 0], pairs[:, 1])
     if src == np.bool_:
         flat, src = flat.astype(np.uint8), np.dtype(np.uint8)
     target = np.dtype(np.uint8) if dst == np.bool_ else dst

@@ -51,6 +51,26 @@ def view_dtype(self, dtype):
     return make_view(self, meta.shape, meta.stride(), offset, dtype)
 
 
+def view_as_real(self):
+    if not self.is_complex():
+        raise RuntimeError("view_as_real is only supported for complex tensors")
+    real = torch.float32 if self.dtype == torch.complex64 else torch.float64
+    return make_view(self, (*self.shape, 2), (*(2 * s for s in self.stride()), 1), 2 * self.storage_offset(), real)
+
+
+def view_as_complex(self):
+    if self.dtype not in (torch.float32, torch.float64):
+        raise RuntimeError(f"view_as_complex is only supported for float and double tensors, but got a tensor of "
+                           f"scalar type: {self.dtype}")
+    if self.dim() == 0 or self.shape[-1] != 2 or self.stride(-1) != 1:
+        raise RuntimeError("Tensor must have a last dimension of size 2 with stride 1")
+    if self.storage_offset() % 2 or any(s % 2 for s in self.stride()[:-1]):
+        raise RuntimeError("Tensor must have a stride divisible by 2 for all but last dimension")
+    complex_dtype = torch.complex64 if self.dtype == torch.float32 else torch.complex128
+    return make_view(self, self.shape[:-1], tuple(s // 2 for s in self.stride()[:-1]), self.storage_offset() // 2,
+                     complex_dtype)
+
+
 def set_storage(self, source, storage_offset=0, size=(), stride=()):
     bridge.restride(self, source, storage_offset, size, stride or bridge._contiguous_strides(size))
     return self
@@ -106,6 +126,8 @@ KERNELS = {
     aten._unsafe_view.default: view,
     aten._reshape_alias.default: _reshape_alias,
     aten.view.dtype: view_dtype,
+    aten.view_as_real.default: view_as_real,
+    aten.view_as_complex.default: view_as_complex,
     aten.set_.source_Storage_storage_offset: set_storage,
     aten.set_.source_Storage: lambda self, source: set_storage(self, source, 0, (source.nbytes() // self.element_size(),)),
     aten.set_.source_Tensor: set_tensor,
