@@ -90,7 +90,8 @@ class TensorList(tuple):
 
 
 class Call:
-    """One call's arguments, split into the static key and the dynamic arrays.
+    """One call's arguments, split into the static key and the dynamic arrays; ``device`` is the
+    index of the tpu device the tensor arguments are on (None if there are none).
 
     ``key`` is ``(positional entries, keyword (name, entry) pairs)``; an entry is DYN for one
     array, a ``TensorList`` for a list of them, or the static value itself (lists as tuples).
@@ -104,8 +105,10 @@ class Call:
         self.read = bridge.concrete if concrete else bridge.read
         kinds = sig.positional
         nkinds = len(kinds)
-        positional = tuple(self._take(kinds[i] if i < nkinds else _STATIC, a, dyn) for i, a in enumerate(args))
-        keyword = tuple((name, self._take(sig.keyword.get(name, _STATIC), a, dyn)) for name, a in kwargs.items())
+        take = self._take
+        positional = tuple([take(kinds[i] if i < nkinds else _STATIC, a, dyn) for i, a in enumerate(args)])
+        keyword = tuple([(name, take(sig.keyword.get(name, _STATIC), a, dyn)) for name, a in kwargs.items()]) \
+            if kwargs else ()
         self.key = (positional, keyword)
         self.dyn = dyn
 
@@ -135,17 +138,17 @@ class Call:
         return _freeze(a)
 
     def _array(self, t: torch.Tensor):
-        device = t.device
-        if device.type == "tpu":
+        index = t.get_device()  # -1 on the CPU; cheaper than t.device.type on this hot path
+        if index >= 0:
             if self.device is None:
-                self.device = device
-            elif self.device != device:
-                raise device_mismatch(self.device, device)
+                self.device = index
+            elif self.device != index:
+                raise device_mismatch(torch.device("tpu", self.device), t.device)
             return self.read(t)
-        if t.dim() == 0 and device.type == "cpu":
+        if t.dim() == 0 and t.device.type == "cpu":
             # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
             return np.asarray(t.item(), dtype=bridge.TORCH_JAX[t.dtype])
-        raise device_mismatch(self.device or torch.device("tpu", 0), device)
+        raise device_mismatch(torch.device("tpu", self.device or 0), t.device)
 
 
 def _rebuild(key, dyn):
@@ -227,7 +230,7 @@ class Kernel:
 
 def _device_index(call: Call, kwargs, sig: _Signature) -> int:
     if call.device is not None:
-        return call.device.index or 0
+        return call.device
     device = kwargs.get("device") if sig.device_arg else None
     if device is not None:
         device = torch.device(device)
