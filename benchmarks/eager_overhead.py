@@ -1,0 +1,194 @@
+"""Eager overhead: microseconds per op, tpu eager vs torch CPU eager, side by side in one run.
+
+    python benchmarks/eager_overhead.py [--repeats 7] [--iters 200] [--mode MODE] [--update-docs]
+
+Each op runs ``iters`` times in a loop (after a warm-up loop that compiles it); the tpu loop ends
+with ``torch.tpu.synchronize()`` so queued work is counted. The table shows the median over
+``repeats`` loops. A third column times the same computation as a bare ``jax.jit`` call on the
+same device: the floor that any JAX-based eager op pays, so ``tpu - jax.jit`` is torchtpu's own
+overhead. Small ops measure dispatch cost; matmul adds real work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchtpu.runtime import platform
+
+TARGET_US = 12.0  # goal for a small elementwise op on tpu
+SMALL = (64, 128)
+
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op to time: its inputs' shapes, the torch call, and the same computation in JAX."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    torch_fn: Callable
+    jax_fn: Callable  # jitted once; the floor that any JAX-based eager op pays per call
+
+
+CASES = [
+    Case("add", (SMALL, SMALL), lambda x, y: x + y, jnp.add),
+    Case("mul", (SMALL, SMALL), lambda x, y: x * y, jnp.multiply),
+    Case("x * 2 (scalar)", (SMALL,), lambda x: x * 2, lambda x: x * 2),
+    Case("relu", (SMALL,), torch.relu, jax.nn.relu),
+    Case("exp", (SMALL,), torch.exp, jnp.exp),
+    Case("add_ (in place)", (SMALL, SMALL), lambda x, y: x.add_(y, alpha=1e-3), lambda x, y: x + 1e-3 * y),
+    Case("sum(dim=1)", (SMALL,), lambda x: x.sum(dim=1), lambda x: x.sum(axis=1)),
+    Case("matmul", ((256, 256), (256, 256)), torch.matmul, jnp.matmul),
+]
+MATMUL = "matmul"
+
+
+def _inputs(case: Case) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(shape, dtype=np.float32) for shape in case.shapes]
+
+
+def _bound(case: Case, where: str) -> Callable[[], object]:
+    """A zero-argument call of ``case`` on ``where`` ("cpu", "tpu" or "jax")."""
+    arrays = _inputs(case)
+    if where == "jax":
+        device = platform.jax_device(0)
+        args, fn = [jax.device_put(a, device) for a in arrays], jax.jit(case.jax_fn)
+    else:
+        args, fn = [torch.from_numpy(a).to(where) for a in arrays], case.torch_fn
+    return lambda: fn(*args)
+
+
+def _sync(where: str, result) -> None:
+    if where == "tpu":
+        torch.tpu.synchronize()
+    elif where == "jax":
+        jax.block_until_ready(result)
+
+
+def _loop(fn: Callable, where: str, iters: int) -> float:
+    """Microseconds per call over one loop of ``iters`` calls, synchronised at the end."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        result = fn()
+    _sync(where, result)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+PLACES = ("cpu", "tpu", "jax")
+
+
+def time_case(case: Case, repeats: int, iters: int) -> dict[str, float]:
+    """Median microseconds per call on each place; their loops alternate so all see the same load."""
+    fns = {where: _bound(case, where) for where in PLACES}
+    for where, fn in fns.items():  # warm-up: compiles the op, fills caches and thread pools
+        _loop(fn, where, iters)
+    samples: dict[str, list[float]] = {where: [] for where in PLACES}
+    for _ in range(repeats):
+        for where, fn in fns.items():
+            samples[where].append(_loop(fn, where, iters))
+    return {where: statistics.median(values) for where, values in samples.items()}
+
+
+def run(repeats: int = 7, iters: int = 200, only: str | None = None) -> list[tuple[Case, dict[str, float]]]:
+    """Each selected case with its median microseconds per place."""
+    return [(case, time_case(case, repeats, iters)) for case in CASES if not only or only in case.name]
+
+
+def _shape_note(case: Case) -> str:
+    return ", ".join("x".join(map(str, shape)) for shape in case.shapes)
+
+
+def table(rows: list[tuple[Case, dict[str, float]]]) -> str:
+    """The results as a Markdown table: tpu next to torch CPU eager and to a bare jax.jit call."""
+    lines = ["| op | input shapes | torch CPU eager (us) | tpu eager (us) | bare jax.jit (us) | tpu / CPU "
+             "| tpu - jax.jit (us) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for case, us in rows:
+        lines.append(f"| {case.name} | {_shape_note(case)} | {us['cpu']:.1f} | {us['tpu']:.1f} | {us['jax']:.1f} "
+                     f"| {us['tpu'] / us['cpu']:.2f}x | {us['tpu'] - us['jax']:.1f} |")
+    return "\n".join(lines)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+DOCS_INTRO = """# Performance
+
+Measured numbers, each produced by a script in `benchmarks/` (run them all with `torchtpu bench`).
+Every section names the command that printed it; rerun the command to refresh it. Speed is
+compared side by side in one run, never against numbers from another machine or another day.
+"""
+BEGIN, END = "<!-- eager_overhead:begin -->", "<!-- eager_overhead:end -->"
+
+
+def update_docs(body: str, command: str) -> Path:
+    """Replace this benchmark's section of docs/performance.md (creating the file if needed)."""
+    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else DOCS_INTRO
+    section = (f"{BEGIN}\n## Eager overhead per op\n\n"
+               "Cost of one eager op on `tpu` next to torch's own CPU eager and to the same computation "
+               "as a bare `jax.jit` call (the floor of any JAX-based eager op), small tensors "
+               f"(target: <= {TARGET_US:.0f} us per small op on tpu). The header records the load "
+               "average: on a busy machine the numbers measure contention more than dispatch, so "
+               "compare columns within one run only.\n\n"
+               f"```\n{command}\n```\n\n{body}\n{END}")
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(text, encoding="utf-8")
+    return DOCS
+
+
+def report(rows, repeats: int, iters: int) -> str:
+    """Header, table and verdict, as printed."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [f"{torch.tpu.get_device_name()} via torchtpu, eager mode {torch.tpu.eager_mode.name}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, load average {load}; "
+             f"median of {repeats} loops x {iters} calls (CPU, tpu and jax loops alternating), "
+             "tpu synchronised at the end of each loop.",
+             "", table(rows)]
+    small = [us["tpu"] for case, us in rows if case.name != MATMUL]
+    if small:
+        worst = max(small)
+        verdict = "meets" if worst <= TARGET_US else "MISSES"
+        lines += ["", f"Small ops on tpu: median {statistics.median(small):.1f} us, worst {worst:.1f} us "
+                      f"({verdict} the {TARGET_US:.0f} us target)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7, help="timed loops per op; the median is shown")
+    p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
+    p.add_argument("--mode", default=None, help="tpu eager mode (e.g. defer_never_and_launch_blocking)")
+    p.add_argument("--only", default=None, help="run only ops whose name contains this")
+    p.add_argument("--update-docs", action="store_true", help="write the table into docs/performance.md")
+    args = p.parse_args(argv)
+
+    if args.mode:
+        torch.tpu.eager_mode = args.mode
+    rows = run(args.repeats, args.iters, args.only)
+    text = report(rows, args.repeats, args.iters)
+    print(text)
+    if args.update_docs:
+        shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--update-docs"]
+        command = " ".join(["python benchmarks/eager_overhead.py", *shown])
+        print(f"\nwrote {update_docs(text, command)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
