@@ -179,14 +179,34 @@ def _check_float(A, name: str) -> None:
                            f"Got {to_torch_dtype(A.dtype)}")
 
 
+def _cholesky_info(A):
+    """LAPACK's potrf ``info``: the order of the first leading minor that is not positive-definite.
+
+    XLA's Cholesky turns a whole failed factorisation into NaNs, so the failing order is found by
+    an unblocked elimination; ``lax.cond`` runs it only when some matrix failed.
+    """
+    n = A.shape[-1]
+    rows = jnp.arange(n)
+
+    def step(k, carry):
+        M, info = carry
+        d = jnp.real(M[..., k, k])
+        bad = ~(d > 0)
+        info = jnp.where((info == 0) & bad, k + 1, info)
+        col = M[..., :, k] / jnp.sqrt(jnp.where(bad, 1, d)).astype(M.dtype)[..., None]
+        col = jnp.where(rows > k, col, 0)
+        return M - col[..., :, None] * jnp.conj(col[..., None, :]), info
+
+    return lax.fori_loop(0, n, step, (A, jnp.zeros(A.shape[:-2], jnp.int32)))[1]
+
+
 @lowering(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(A, *, upper=False, check_errors=False):
     _check_square(A, "linalg.cholesky")
     _check_float(A, "linalg.cholesky")
     L = jnp.tril(lax.linalg.cholesky(A, symmetrize_input=False))
-    diag = jnp.diagonal(L, axis1=-2, axis2=-1)
-    info = _batch_info(~jnp.isfinite(diag) | (jnp.real(diag) <= 0)) if A.shape[-1] else \
-        jnp.zeros(A.shape[:-2], jnp.int32)
+    failed = jnp.any(jnp.isnan(L))
+    info = lax.cond(failed, _cholesky_info, lambda A: jnp.zeros(A.shape[:-2], jnp.int32), A)
     return (_mH(L) if upper else L), info
 
 
@@ -284,12 +304,9 @@ def _linalg_solve_ex(A, B, *, left=True, check_errors=False):
     _check_float(A, "linalg.solve")
     vector = _vector_rhs(A, B)
     rhs = B[..., None] if vector else B
-    if not left:
-        rhs = _mT(rhs)
-    lu, pivots, perm, info = _lu(A if left else _mT(A))
-    x = _lu_solve(lu, perm, rhs)
-    if not left:
-        x = _mT(x)
+    # PyTorch returns the LU of A for both sides (its backward relies on it); X A = B is A^H X^H = B^H
+    lu, pivots, perm, info = _lu(A)
+    x = _lu_solve(lu, perm, rhs) if left else _mH(_lu_solve(lu, perm, _mH(rhs), adjoint=True))
     return (x[..., 0] if vector else x), lu, pivots, info
 
 
@@ -357,7 +374,9 @@ def _linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
 
 
 def _det_parts(A):
-    lu, pivots, _, _ = _lu(A)
+    # PyTorch factors A^T for real A (LAPACK reads a contiguous A^T without a copy), and its
+    # backward solves with that LU accordingly; the determinant is the same either way.
+    lu, pivots, _, _ = _lu(A if jnp.iscomplexobj(A) else _mT(A))
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     swaps = jnp.sum(pivots != jnp.arange(1, A.shape[-1] + 1, dtype=jnp.int32), axis=-1)
     parity = jnp.where(swaps % 2 == 1, -1, 1).astype(A.dtype)
@@ -393,20 +412,30 @@ def linalg_matrix_exp(A):
 
 @lowering(aten._linalg_check_errors.default, jit=False)
 def _linalg_check_errors(info, api_name, *, is_matrix):
-    """Raise PyTorch's LinAlgError for a nonzero ``info`` (a host sync, as on every backend)."""
-    info = np.asarray(info)
+    """Raise PyTorch's LinAlgError for a nonzero ``info`` (a host sync, as on every backend).
+
+    Eager passes concrete arrays; inside a traced graph the check runs as a host callback.
+    """
+    if isinstance(info, jax.core.Tracer):
+        jax.debug.callback(lambda i: _raise_for_info(np.asarray(i), api_name, is_matrix), info)
+    else:
+        _raise_for_info(np.asarray(info), api_name, is_matrix)
+    return None
+
+
+def _raise_for_info(info: np.ndarray, api_name: str, is_matrix: bool) -> None:
     if not info.any():
-        return None
+        return
     flat = info.reshape(-1)
     where = int(np.flatnonzero(flat)[0])
     code = int(flat[where])
     batch = "" if is_matrix else f"(Batch element {where}): "
+    if code < 0:
+        raise RuntimeError(f"{api_name}: {batch}Argument {-code} has illegal value.")
     if "cholesky" in api_name:
         raise torch.linalg.LinAlgError(
             f"{api_name}: {batch}The factorization could not be completed because the input is not "
             f"positive-definite (the leading minor of order {code} is not positive-definite).")
-    if code < 0:
-        raise RuntimeError(f"{api_name}: {batch}Argument {-code} has illegal value.")
     raise torch.linalg.LinAlgError(
         f"{api_name}: {batch}The diagonal element {code} is zero, the inversion could not be "
         f"completed because the input matrix is singular.")
