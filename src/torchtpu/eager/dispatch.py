@@ -249,7 +249,7 @@ def wrap_outputs(out, index: int, sig: _Signature):
     if sig.returns_none:
         return None
     if isinstance(out, (tuple, list)):
-        wrapped = [bridge.wrap(o, index) for o in out]
+        wrapped = [None if o is None else bridge.wrap(o, index) for o in out]  # None: an undefined tensor
         return wrapped if sig.returns_list else tuple(wrapped)
     return bridge.wrap(out, index)
 
