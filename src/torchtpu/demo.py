@@ -278,7 +278,7 @@ def _compiled_phase(model, opt, data, steps, batch_size, dev, gen, progress, out
         backend = compile_backend(dev)
         # fullgraph: the loss must become one graph (forward and, through aot_autograd, backward);
         # a silent fall back to eager would make the speed ratio meaningless
-        loss_fn = torch.compile(_traceable(model.loss), backend=backend, fullgraph=True)
+        loss_fn = torch.compile(model.loss, backend=backend, fullgraph=True)
         step_fn = torch.compile(opt.step, backend=backend)  # Optimizer.step has a deliberate graph break
         return train_phase("compiled", loss_fn, step_fn, model, opt, data, steps, batch_size, dev, gen,
                            progress=progress)
@@ -288,19 +288,6 @@ def _compiled_phase(model, opt, data, steps, batch_size, dev, gen, progress, out
         out(f"  torch.compile (backend {backend!r}) could not train this model; the eager results "
             "follow. Run `torchtpu doctor` to check the backend.")
         return Phase("compiled", error=msg)
-
-
-def _traceable(fn: Callable) -> Callable:
-    """``fn`` made traceable by dynamo although it is defined inside the torchtpu package.
-
-    torchtpu.compile tells dynamo to skip torchtpu's files (its eager kernels must run, not be
-    traced); that rule also covers this module's model, so it is lifted for ``fn`` here.
-    """
-    from torch._dynamo import trace_rules
-
-    if trace_rules.check_file(fn.__code__.co_filename).skipped:
-        return torch._dynamo.dont_skip_tracing(fn)
-    return fn
 
 
 def _device_name(dev: torch.device) -> str:

@@ -1,0 +1,173 @@
+"""Training-step throughput: torch CPU eager, torch CPU Inductor, tpu eager, tpu compiled.
+
+Prints three tables measured side by side in one run (medians of per-step times):
+1. the GPT step (4 layers, d_model 256, seq 128, vocab 1024, batch 8) with MFU against a matmul
+   peak measured here (max of XLA:CPU's and torch's 2048x2048 fp32 matmul);
+2. a small, dispatch-bound GPT (d 64, 2 layers, seq 32, batch 1, vocab 256): tpu compiled vs eager;
+3. an MLP step (batch 64, 512 -> 2048 -> 512, ReLU, MSE, SGD): tpu compiled vs Inductor.
+
+    python benchmarks/train_step.py [--steps 10] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+os.environ.setdefault("TORCHTPU_PLATFORM", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import torchtpu.compile as tpu_compile  # noqa: E402
+from torchtpu.device import bridge  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import GPT, MLP, AdamWTrainStep, GPTConfig, gpt_batch  # noqa: E402
+
+tpu_compile.install()
+torch._dynamo.config.trace_autograd_ops = True  # autograd.grad inside the compiled step
+
+
+def median_seconds(fn: Callable[[], object], steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        _sync(fn())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        _sync(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(value) -> None:
+    # Waiting for the step's loss is enough: it depends on every parameter the previous step updated.
+    if isinstance(value, torch.Tensor) and value.device.type == "tpu":
+        bridge.read(value).block_until_ready()
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """FLOP/s of an n x n fp32 matmul: (XLA:CPU through jnp, torch CPU)."""
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    jax_s = median_seconds(lambda: mm(a, a).block_until_ready(), reps, 2)
+    t = torch.ones(n, n)
+    torch_s = median_seconds(lambda: t @ t, reps, 2)
+    flops = 2 * n ** 3
+    return flops / jax_s, flops / torch_s
+
+
+def step_flops(make_step: Callable[[], Callable], batch) -> float:
+    """FLOPs of one training step, counted on the CPU."""
+    step = make_step()
+    with FlopCounterMode(display=False) as counter:
+        step(*batch)
+    return counter.get_total_flops()
+
+
+def gpt_variants(config: GPTConfig, batch_size: int, which: tuple[str, ...]) -> tuple[dict, Callable, tuple]:
+    """name -> step closure for each variant, plus a CPU step factory and the CPU batch."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    x, y = gpt_batch(config, batch_size)
+    tx, ty = x.to("tpu"), y.to("tpu")
+
+    def cpu_step():
+        return AdamWTrainStep(copy.deepcopy(model))
+
+    def tpu_step():
+        return AdamWTrainStep(copy.deepcopy(model).to("tpu"))
+
+    builders = {
+        "torch CPU eager": lambda: (lambda s: lambda: s(x, y))(cpu_step()),
+        "torch CPU Inductor": lambda: (lambda s: lambda: s(x, y))(
+            torch.compile(cpu_step(), backend="inductor", fullgraph=True)),
+        "tpu eager": lambda: (lambda s: lambda: s(tx, ty))(tpu_step()),
+        "tpu compiled": lambda: (lambda s: lambda: s(tx, ty))(
+            torch.compile(tpu_step(), backend="tpu", fullgraph=True)),
+    }
+    return {name: builders[name]() for name in which}, cpu_step, (x, y)
+
+
+class MLPStep:
+    """Forward, backward and SGD for the MLP, as one traceable function."""
+
+    def __init__(self, model: MLP, lr: float = 0.01):
+        self.model, self.lr = model, lr
+        self.params = list(model.parameters())
+
+    def __call__(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        grads = torch.autograd.grad(loss, self.params)
+        with torch.no_grad():
+            for p, g in zip(self.params, grads):
+                p.sub_(self.lr * g)
+        return loss.detach()
+
+
+def mlp_variants() -> dict:
+    torch.manual_seed(0)
+    model = MLP(512, 2048, 512)
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+    tx, ty = x.to("tpu"), y.to("tpu")
+    inductor = torch.compile(MLPStep(copy.deepcopy(model)), backend="inductor", fullgraph=True)
+    tpu = torch.compile(MLPStep(copy.deepcopy(model).to("tpu")), backend="tpu", fullgraph=True)
+    return {"torch CPU Inductor": lambda: inductor(x, y), "tpu compiled": lambda: tpu(tx, ty)}
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([f"\n{title}", line(header), sep] + [line(r) for r in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    args = parser.parse_args()
+
+    jax_peak, torch_peak = matmul_peak()
+    peak = max(jax_peak, torch_peak)
+    print(f"matmul peak (2048^2 fp32): XLA:CPU {jax_peak / 1e9:.1f} GFLOP/s, torch {torch_peak / 1e9:.1f} GFLOP/s; "
+          f"MFU against {peak / 1e9:.1f}")
+
+    config = GPTConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=4, d_model=256)
+    variants, cpu_step, batch = gpt_variants(config, 8, ("torch CPU eager", "torch CPU Inductor", "tpu eager",
+                                                         "tpu compiled"))
+    flops = step_flops(cpu_step, batch)
+    rows, rates = [], {}
+    for name, fn in variants.items():
+        rates[name] = 1 / median_seconds(fn, args.steps, args.warmup)
+        rows.append([name, f"{rates[name]:.2f}", f"{100 * flops * rates[name] / peak:.1f}%"])
+    for name in rates:
+        rows[list(rates).index(name)].append(f"{rates[name] / rates['torch CPU Inductor']:.2f}x")
+    print(table(f"GPT train step (4 layers, d 256, seq 128, vocab 1024, batch 8; {flops / 1e9:.2f} GFLOP/step)",
+                ["variant", "steps/s", "MFU", "vs Inductor"], rows))
+
+    small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
+    variants, _, _ = gpt_variants(small, 1, ("tpu eager", "tpu compiled"))
+    small_rates = {name: 1 / median_seconds(fn, args.steps * 3, args.warmup) for name, fn in variants.items()}
+    ratio = small_rates["tpu compiled"] / small_rates["tpu eager"]
+    print(table("Small GPT train step (d 64, 2 layers, seq 32, batch 1, vocab 256): dispatch-bound",
+                ["variant", "steps/s"], [[n, f"{r:.1f}"] for n, r in small_rates.items()])
+          + f"\ntpu compiled / tpu eager: {ratio:.2f}x (target >= 5x)")
+
+    mlp_rates = {name: 1 / median_seconds(fn, args.steps * 3, args.warmup) for name, fn in mlp_variants().items()}
+    ratio = mlp_rates["tpu compiled"] / mlp_rates["torch CPU Inductor"]
+    print(table("MLP train step (batch 64, 512 -> 2048 -> 512, ReLU, MSE, SGD)",
+                ["variant", "steps/s"], [[n, f"{r:.1f}"] for n, r in mlp_rates.items()])
+          + f"\ntpu compiled / Inductor: {ratio:.2f}x (target >= 1.25x)")
+
+
+if __name__ == "__main__":
+    main()

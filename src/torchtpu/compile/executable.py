@@ -1,0 +1,200 @@
+"""Running a compiled graph: inputs in, one XLA executable per input signature, results out.
+
+A call reads its tensors' arrays through the bridge, looks up the executable of its input
+signature (shapes, dtypes, devices, static scalars, donations), runs it, writes the new values of
+mutated inputs back into their tensors and wraps the outputs as ``tpu`` tensors. A mutated input
+that owns its storage, and whose array nothing else holds, is donated to XLA, so optimizer steps
+update parameters in place instead of doubling memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from torch.fx import GraphModule, Node
+
+from torchtpu.compile import cache
+from torchtpu.compile.graph import GraphFunction, base_key
+from torchtpu.config import config
+from torchtpu.device import bridge
+from torchtpu.ops.dtypes import to_jax_dtype
+from torchtpu.runtime import platform, rng
+
+_names = itertools.count()
+# References an array held only by its storage has inside ``_donatable``: the storage's attribute
+# dict, ``_read``'s local, ``_donatable``'s argument and getrefcount's own argument.
+_SOLE_OWNER_REFS = 4
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What one graph output is: a tensor (with its device and dtype) or a static value."""
+
+    tensor: bool
+    device: torch.device | None = None
+    dtype: Any = None
+
+
+def _output_kinds(output: Node) -> list[_Output]:
+    kinds = []
+    for arg in output.args[0]:
+        val = arg.meta.get("val") if isinstance(arg, Node) else None
+        if isinstance(val, torch.Tensor):
+            kinds.append(_Output(True, val.device, to_jax_dtype(val.dtype)))
+        else:
+            kinds.append(_Output(False))
+    return kinds
+
+
+class _Executable:
+    """One signature's XLA executable and the static outputs recorded while tracing it."""
+
+    def __init__(self, graph: "CompiledGraph", statics: dict[int, Any], ninputs: int,
+                 donate: tuple[int, ...], arrays: list, key_args: tuple, index: int):
+        self.graph = graph
+        self.statics = statics
+        self.ninputs = ninputs
+        self.static_outputs: dict[int, Any] = {}
+        nkey = len(key_args)
+
+        def run(*flat):
+            key = base_key(flat[:nkey]) if nkey else None
+            it = iter(flat[nkey:])
+            values = [statics[i] if i in statics else next(it) for i in range(ninputs)]
+            outputs, mutations = graph.fn(key, values)
+            return self._split_outputs(outputs), mutations
+
+        run.__name__ = graph.name
+        donate_argnums = tuple(nkey + i for i in donate)
+        start = time.perf_counter()
+        with jax.default_device(platform.jax_device(index)):
+            lowered = jax.jit(run, donate_argnums=donate_argnums).lower(*key_args, *arrays)
+        cache.count("trace_seconds", time.perf_counter() - start)
+        _dump(lowered, graph.name)
+        self.compiled = cache.compile_lowered(lowered, graph.options, graph.name)
+
+    def _split_outputs(self, outputs: list) -> list:
+        arrays = []
+        for i, (value, kind) in enumerate(zip(outputs, self.graph.outputs)):
+            if kind.tensor:
+                value = jax.numpy.asarray(value)
+                arrays.append(value if value.dtype == kind.dtype else value.astype(kind.dtype))
+            else:
+                self.static_outputs[i] = value
+        return arrays
+
+
+def _dump(lowered, name: str) -> None:
+    if config.dump_dir:
+        os.makedirs(config.dump_dir, exist_ok=True)
+        with open(os.path.join(config.dump_dir, f"{name}.stablehlo.mlir"), "w") as f:
+            f.write(lowered.as_text())
+
+
+class CompiledGraph:
+    """A graph from aot_autograd, callable with its (boxed) list of inputs."""
+
+    def __init__(self, gm: GraphModule, kind: str, options: dict[str, Any]):
+        self.fn = GraphFunction(gm)
+        self.name = f"torchtpu_{kind}_{next(_names)}"
+        self.options = options
+        self.outputs = _output_kinds(self.fn.output)
+        self.executables: dict[tuple, _Executable] = {}
+        self.mutated = set(self.fn.mutated)
+        cache.track(self)
+
+    def __call__(self, args: list) -> list:
+        arrays, signature, statics, donate, index = self._read(args)
+        key_args = tuple(rng.next_key_args(index)) if self.fn.random_ops else ()
+        executable = self._lookup(signature, statics, donate, arrays, key_args, index)
+        outputs, mutations = executable.compiled(*key_args, *arrays)
+        del arrays
+        if donate:
+            cache.count("donated_buffers", len(donate))
+        for i, value in zip(self.fn.mutated, mutations):
+            _write_back(args[i], value)
+        args.clear()  # boxed convention: the inputs are ours to free
+        return self._wrap(outputs, executable.static_outputs, index)
+
+    def _lookup(self, signature, statics, donate, arrays, key_args, index) -> _Executable:
+        cache.count("requests")
+        executable = self.executables.get(signature)
+        if executable is not None:
+            cache.count("hits")
+            return executable
+        cache.count("misses")
+        executable = _Executable(self, statics, len(signature), donate, arrays, key_args, index)
+        self.executables[signature] = executable
+        return executable
+
+    def _read(self, args: list):
+        index = _device_index(args)
+        arrays, signature, statics, donate, seen = [], [], {}, [], set()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                if a.device.type == "tpu":
+                    array = bridge.read(a)
+                    owned = i in self.mutated and id(array) not in seen and _donatable(a, array)
+                    seen.add(id(array))
+                    if owned:
+                        donate.append(len(arrays))
+                    signature.append((array.shape, array.dtype, a.device.index or 0, owned))
+                else:
+                    array = jax.device_put(np.asarray(a.detach().numpy()), platform.jax_device(index))
+                    signature.append(("cpu", array.shape, array.dtype))
+                arrays.append(array)
+            else:
+                value = _concrete(a)
+                statics[i] = value
+                signature.append(("static", type(value), value))
+        return arrays, tuple(signature), statics, tuple(donate), index
+
+    def _wrap(self, outputs: list, statics: dict[int, Any], index: int) -> list:
+        it = iter(outputs)
+        result = []
+        for i, kind in enumerate(self.outputs):
+            if not kind.tensor:
+                result.append(statics[i])
+            elif kind.device.type == "tpu":
+                result.append(bridge.wrap(next(it), index if kind.device.index is None else kind.device.index))
+            else:
+                result.append(torch.from_numpy(np.array(next(it))))
+        return result
+
+
+def _donatable(t: torch.Tensor, array) -> bool:
+    """Whether XLA may reuse ``array``'s buffer: ``t`` owns it and nothing else holds it."""
+    if getattr(t.untyped_storage(), bridge.ATTR, None) is not array:
+        return False
+    return bridge._is_owner(t, array) and sys.getrefcount(array) <= _SOLE_OWNER_REFS
+
+
+def _write_back(t: torch.Tensor, value) -> None:
+    if t.device.type == "tpu":
+        bridge.write(t, value)
+    else:
+        with torch.no_grad():
+            t.copy_(torch.from_numpy(np.array(value)))
+
+
+def _concrete(value):
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.hint if hasattr(value.node, "hint") else int(value)
+    return value
+
+
+def _device_index(args: list) -> int:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+            return a.device.index or 0
+    from torchtpu.device.module import current_device
+
+    return current_device()

@@ -1,0 +1,219 @@
+"""A core-aten FX graph as one pure JAX function, built from the shared op registry.
+
+Each node's aten overload is looked up in the graph-only table below (input mutation, prims),
+then in ``VIEW_LOWERINGS`` (views become values in a functional graph), then in the registry.
+Python callables in the graph (``operator.getitem``, SymInt arithmetic) run as they are: shapes
+and scalars are concrete while the function is traced, so they are static.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx import GraphModule, Node
+
+from torchtpu.ops import registry
+from torchtpu.ops.dtypes import to_jax_dtype
+from torchtpu.runtime import rng
+
+aten = torch.ops.aten
+
+
+def _copy(dst, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
+
+
+def _convert_element_type(x, dtype):
+    return x.astype(to_jax_dtype(dtype))
+
+
+# Overloads whose meaning is specific to graphs (mutation epilogues).
+GRAPH_LOWERINGS: dict[OpOverload, Callable] = {
+    aten.copy.default: _copy,
+    aten.copy_.default: _copy,
+}
+
+# prims some decompositions produce (fma is registered only once Inductor is imported).
+PRIMS_LOWERINGS: dict[str, Callable] = {
+    "prims::fma": lambda a, b, c: a * b + c,
+    "prims::convert_element_type": _convert_element_type,
+}
+
+
+def _graph_lowering(op: OpOverload) -> Callable | None:
+    schema = getattr(op, "_schema", None)  # higher-order operators have none
+    if schema is None:
+        return None
+    return GRAPH_LOWERINGS.get(op) or PRIMS_LOWERINGS.get(schema.name) or _foreach(op)
+
+
+# _foreach_op overload → the per-tensor op's overload (optimizers' multi-tensor updates)
+_FOREACH_OVERLOADS = {"List": ("Tensor", "default"), "Tensor": ("Tensor", "default"),
+                      "Scalar": ("Scalar", "default"), "ScalarList": ("Scalar", "default"),
+                      "ScalarAndTensor": ("Scalar",), "default": ("default",)}
+
+
+@functools.cache
+def _foreach(op: OpOverload) -> Callable | None:
+    """``_foreach_add.List(xs, ys)`` as ``[add.Tensor(x, y) for x, y in zip(xs, ys)]``."""
+    name = op._schema.name
+    if not name.startswith("aten::_foreach_") or name.endswith("_"):
+        return None
+    packet = getattr(aten, name[len("aten::_foreach_"):], None)
+    overloads = packet.overloads() if packet is not None else []
+    base = next((getattr(packet, o) for o in _FOREACH_OVERLOADS.get(op._overloadname, ()) if o in overloads), None)
+    fn = None if base is None else (view_lowerings().get(base) or getattr(registry.LOWERINGS.get(base), "fn", None))
+    if fn is None:
+        return None
+
+    def each(*args, **kwargs):
+        n = len(next(a for a in args if isinstance(a, (list, tuple))))
+        return [fn(*(a[i] if isinstance(a, (list, tuple)) else a for a in args), **kwargs) for i in range(n)]
+
+    return each
+
+
+def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(x.shape, fill_value, dtype=x.dtype if dtype is None else to_jax_dtype(dtype))
+
+
+# Used only while the registry lacks them (other op families are still being written).
+TEMPORARY_LOWERINGS: dict[OpOverload, Callable] = {
+    aten.full_like.default: _full_like,
+}
+
+
+def view_lowerings() -> dict[OpOverload, Callable]:
+    from torchtpu.ops import shape
+
+    return getattr(shape, "VIEW_LOWERINGS", {})
+
+
+def has_lowering(op: OpOverload) -> bool:
+    return _graph_lowering(op) is not None or op in view_lowerings() or op in registry.LOWERINGS \
+        or op in TEMPORARY_LOWERINGS
+
+
+@dataclass
+class _Step:
+    node: Node
+    fn: Callable
+    random_index: int = -1  # >= 0: the op takes a key, folded from the call's key with this index
+
+
+class MissingLowering(NotImplementedError):
+    pass
+
+
+def _resolve(node: Node, random_count: int) -> _Step:
+    target = node.target
+    if not isinstance(target, OpOverload):
+        return _Step(node, target)
+    fn = _graph_lowering(target) or view_lowerings().get(target)
+    if fn is not None:
+        return _Step(node, fn)
+    low = registry.LOWERINGS.get(target)
+    if low is None:
+        if target in TEMPORARY_LOWERINGS:
+            return _Step(node, TEMPORARY_LOWERINGS[target])
+        raise MissingLowering(str(target))
+    if not low.jit:
+        raise MissingLowering(f"tpu: {target} has a data-dependent output shape and cannot run in a "
+                              f"compiled graph; mark the code with torch._dynamo.graph_break() before it")
+    return _Step(node, low.fn, random_count if low.random else -1)
+
+
+@dataclass
+class GraphFunction:
+    """``gm`` as a JAX-traceable function of its placeholders' values."""
+
+    gm: GraphModule
+    steps: list[_Step] = field(default_factory=list)
+    placeholders: list[Node] = field(default_factory=list)
+    mutated: list[int] = field(default_factory=list)  # placeholder index of each input mutation
+    random_ops: int = 0
+    output: Node | None = None
+
+    def __post_init__(self) -> None:
+        missing = sorted({str(n.target) for n in self.gm.graph.nodes
+                          if n.op == "call_function" and isinstance(n.target, OpOverload) and not has_lowering(n.target)})
+        if missing:
+            raise MissingLowering(
+                f"tpu: this torch.compile graph uses ops with no lowering and no decomposition: "
+                f"{', '.join(missing)}. Run the function without torch.compile (eager falls back to the "
+                f"CPU for them), and please report it.")
+        index = {}
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                index[node] = len(self.placeholders)
+                self.placeholders.append(node)
+            elif node.op == "call_function":
+                step = _resolve(node, self.random_ops)
+                self.random_ops += step.random_index >= 0
+                self.steps.append(step)
+                if node.target is aten.copy_.default and node.args[0] in index \
+                        and index[node.args[0]] not in self.mutated:
+                    self.mutated.append(index[node.args[0]])
+            elif node.op == "get_attr":
+                self.steps.append(_Step(node, _constant(getattr(self.gm, node.target))))
+            elif node.op == "output":
+                self.output = node
+            else:
+                raise NotImplementedError(f"tpu: unsupported FX node {node.op} ({node.target}) in a compiled graph")
+
+    def __call__(self, key, inputs: list) -> tuple[list, list]:
+        """Trace the graph on ``inputs``; returns (outputs, new values of the mutated inputs)."""
+        env: dict[Node, Any] = dict(zip(self.placeholders, inputs))
+        mutations: dict[int, Any] = {}
+        place = {n: i for i, n in enumerate(self.placeholders)}
+        for step in self.steps:
+            node = step.node
+            if node.op == "get_attr":
+                env[node] = step.fn()
+                continue
+            args, kwargs = _values(node.args, env), _values(node.kwargs, env)
+            if step.random_index >= 0:
+                args = (jax.random.fold_in(key, step.random_index), *args)
+            value = step.fn(*args, **kwargs)
+            env[node] = value
+            if node.target is aten.copy_.default and node.args[0] in place:
+                # later reads of the input see the new value, as the mutation in eager would
+                env[node.args[0]] = value
+                mutations[place[node.args[0]]] = value
+        outputs = _values(self.output.args[0], env)
+        return list(outputs), [mutations[i] for i in self.mutated]
+
+
+def _values(args, env):
+    return torch.fx.node.map_aggregate(args, lambda a: env[a] if isinstance(a, Node) else a)
+
+
+def _constant(value) -> Callable:
+    if isinstance(value, torch.Tensor):
+        with unset_fake_temporarily():  # aot_autograd calls the compiler under its fake mode
+            return _tensor_constant(value)
+    return lambda: value
+
+
+def _tensor_constant(value: torch.Tensor) -> Callable:
+    if value.device.type == "tpu":
+        from torchtpu.device import bridge
+
+        array = bridge.read(value)
+    else:
+        array = np.asarray(value.detach().numpy())
+    return lambda: jnp.asarray(array)
+
+
+def base_key(key_args) -> jax.Array:
+    """The call's random key from the device RNG's (seed_hi, seed_lo, offset)."""
+    return rng.make_key(*key_args)
+

@@ -1,0 +1,103 @@
+"""Which backend a ``torch.compile`` graph gets: ``tpu`` graphs go to ours, the rest to Inductor.
+
+``torch.compile(fn)`` with no backend uses dynamo's default backend, which we set to a router:
+a graph with ``tpu`` tensors goes to the ``tpu`` backend, any other to Inductor exactly as before.
+An explicit ``backend="inductor"`` given ``tpu`` tensors raises an error naming ``backend="tpu"``
+instead of failing deep inside Inductor's code generation.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule
+
+_installed = False
+
+
+def on_tpu(gm: GraphModule, example_inputs) -> bool:
+    """Whether the graph computes on ``tpu`` (an input, or a value it makes, is a tpu tensor)."""
+    if any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs):
+        return True
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor) and value.device.type == "tpu":
+            return True
+    return False
+
+
+def default_backend(gm: GraphModule, example_inputs, *, mode: str | None = None,
+                    options: dict[str, Any] | None = None) -> Callable:
+    """torch.compile's default backend: ``tpu`` for graphs on tpu, Inductor otherwise."""
+    if on_tpu(gm, example_inputs):
+        from torchtpu.compile.backend import backend
+
+        return backend(gm, example_inputs, mode=mode, options=options)
+    return _inductor(mode, options)(gm, example_inputs)
+
+
+def _inductor(mode, options) -> Callable:
+    return torch._TorchCompileInductorWrapper(mode, options, None)
+
+
+def _guarded_inductor_call(original: Callable) -> Callable:
+    def __call__(self, model_, inputs_):
+        if on_tpu(model_, inputs_):
+            raise RuntimeError(
+                "torch.compile(backend=\"inductor\") cannot compile for the tpu device: Inductor "
+                "generates CPU/GPU kernels. Use torch.compile(fn, backend=\"tpu\"), or leave out "
+                "backend= (the default picks tpu for tpu tensors).")
+        return original(self, model_, inputs_)
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
+def set_default() -> None:
+    """Make torch.compile's default backend the router (a default the user chose is kept)."""
+    from torch._dynamo.backends.registry import get_default_backend, set_default_backend
+
+    if get_default_backend() == "inductor":
+        set_default_backend(default_backend)
+
+
+def guard_inductor() -> None:
+    """Make Inductor given tpu tensors raise an error that names the tpu backend (idempotent)."""
+    global _installed
+    if not _installed:
+        wrapper = torch._TorchCompileInductorWrapper
+        wrapper.__call__ = _guarded_inductor_call(wrapper.__call__)
+        _installed = True
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback right after one module is imported (and leaves ``sys.meta_path``)."""
+
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_callback(module):
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_callback
+        return spec
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once ``name`` is imported: now if it already is."""
+    if name in sys.modules:
+        callback()
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
