@@ -77,3 +77,111 @@ def arange_end(end, *, dtype=None, layout=None, device=None, pin_memory=None):
 @lowering(aten.arange.start, static_scalars=True)
 def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):
     return arange(start, end, 1, dtype=dtype)
+
+
+@lowering(aten.zeros.default)
+def zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), _dtype(dtype, None))
+
+
+@lowering(aten.ones.default)
+def ones(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.ones(tuple(size), _dtype(dtype, None))
+
+
+@lowering(aten.eye.default, aten.eye.m)
+def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, n if m is None else m, dtype=_dtype(dtype, None))
+
+
+def _linspace(start, end, steps: int, dtype):
+    """PyTorch's linspace: the first half counts up from ``start``, the second down from ``end``."""
+    import numpy as np
+
+    if steps < 0:
+        raise RuntimeError("number of steps must be non-negative")
+    integral = jnp.issubdtype(dtype, jnp.integer)
+    compute = jnp.float64 if integral else dtype
+    # PyTorch converts the bounds to the output dtype first
+    start, end = (jnp.asarray(v).astype(dtype).astype(compute) for v in (start, end))
+    if steps <= 1:
+        return jnp.full((steps,), start, compute).astype(dtype)
+    step = (end - start) / (steps - 1)
+    idx = np.arange(steps)
+    up = start + step * idx.astype(compute)
+    down = end - step * (steps - idx - 1).astype(compute)
+    return jnp.where(idx < steps // 2, up, down)
+
+
+@lowering(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
+          aten.linspace.Scalar_Tensor)
+def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
+    jdt = _dtype(dtype, None)
+    return _linspace(start, end, steps, jdt).astype(jdt)
+
+
+@lowering(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
+          aten.logspace.Scalar_Tensor)
+def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    jdt = _dtype(dtype, None)
+    exponents = _linspace(start, end, steps, jnp.float64 if jnp.issubdtype(jdt, jnp.integer) else jdt)
+    return jnp.power(jnp.asarray(base, jnp.float64), exponents.astype(jnp.float64)).astype(jdt)
+
+
+def _triangle_indices(select, row, col, offset, dtype):
+    import numpy as np
+    import torch
+
+    rows, cols = select(row, offset, col)
+    return jnp.asarray(np.stack([rows, cols]).reshape(2, -1), to_jax_dtype(dtype or torch.int64))
+
+
+@lowering(aten.tril_indices.default)
+def tril_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    import numpy as np
+
+    return _triangle_indices(np.tril_indices, row, col, offset, dtype)
+
+
+@lowering(aten.triu_indices.default)
+def triu_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    import numpy as np
+
+    return _triangle_indices(np.triu_indices, row, col, offset, dtype)
+
+
+
+def _like_dtype(x, dtype):
+    return x.dtype if dtype is None else to_jax_dtype(dtype)
+
+
+def full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(x.shape, fill_value, _like_dtype(x, dtype))
+
+
+def zeros_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(x.shape, _like_dtype(x, dtype))
+
+
+def ones_like(x, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.ones(x.shape, _like_dtype(x, dtype))
+
+
+def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(tuple(size), _dtype(dtype, None))  # XLA has no uninitialised memory
+
+
+def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return empty(size, dtype=dtype)
+
+
+# Graph-only (read through shape.VIEW_LOWERINGS). In eager, ``zeros_like(x, device="cpu")`` must
+# leave the device, which a lowering cannot, so eager keeps PyTorch's empty_like + fill_ path;
+# eager's ``empty`` is a lazy shell (eager/views.py).
+GRAPH_FACTORIES = {
+    aten.full_like.default: full_like,
+    aten.zeros_like.default: zeros_like,
+    aten.ones_like.default: ones_like,
+    aten.empty.memory_format: empty,
+    aten.empty_strided.default: empty_strided,
+}

@@ -1,1 +1,633 @@
-"""indexing ops."""
+"""Indexing ops: advanced indexing, gather/scatter, masks, sorting and searching, unique.
+
+Out-of-range indices follow XLA, not PyTorch: gathers clamp them into range and scatters drop
+them, where PyTorch raises "index X is out of bounds". Checking would cost a device→host sync
+per op. Negative indices wrap where PyTorch wraps them (``x[idx]``, ``index_put``, ``take``).
+
+Boolean masks give data-dependent shapes: ``index`` with a bool mask, ``masked_select``,
+``nonzero``, ``unique``, ``bincount`` and ``repeat_interleave`` run eagerly (``jit=False``) on
+concrete arrays, read what decides the shape on the host (one sync), then call jitted code. In a
+``torch.compile`` graph they never appear with a mask (dynamo breaks the graph there).
+``index_put`` with a single mask (``x[mask] = v``, ``x[mask] += v``) keeps its shape, so it runs
+without a sync and traces.
+
+Sorting is stable everywhere; where PyTorch leaves the order of equal elements unspecified
+(``sort(stable=False)``, ``topk``, ``kthvalue``) the indices of ties may differ from the CPU's.
+``unique(sorted=False)`` returns sorted values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from torchtpu.ops.dtypes import is_float, is_integral
+from torchtpu.ops.registry import aten, lowering
+
+
+def _dim(dim: int, ndim: int) -> int:
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+    return dim % n
+
+
+def _is_mask(a) -> bool:
+    return a is not None and a.dtype in (np.bool_, np.uint8)
+
+
+# ---------------------------------------------------------------- advanced indexing
+
+def _masks_to_indices(x, indices) -> list:
+    """Bool/uint8 masks replaced by the integer indices of their True entries (needs concrete masks)."""
+    out, pos = [], 0
+    for idx in indices:
+        if not _is_mask(idx):
+            out.append(idx)
+            pos += 1
+            continue
+        if isinstance(idx, jax.core.Tracer):
+            raise NotImplementedError("indexing with a boolean mask has a data-dependent shape and cannot be "
+                                      "traced; index with integer tensors (e.g. mask.nonzero()) instead")
+        if idx.ndim == 0:
+            raise NotImplementedError("tpu: indexing with a 0-d boolean tensor is not supported; use x[None] or x[:0]")
+        for k, n in enumerate(idx.shape):
+            if pos + k >= x.ndim or x.shape[pos + k] != n:
+                raise IndexError(f"The shape of the mask {list(idx.shape)} at index {k} does not match the shape "
+                                 f"of the indexed tensor {list(x.shape)} at index {pos + k}")
+        out.extend(_device_put(x, *np.nonzero(np.asarray(idx))))
+        pos += idx.ndim
+    return out
+
+
+def _index_tuple(pattern, arrays):
+    it = iter(arrays)
+    return tuple(slice(None) if p is None else next(it) for p in pattern)
+
+
+@functools.cache
+def _gather(pattern):
+    """A jitted ``x[index]`` for one pattern of given (True) and full-slice (None) indices."""
+    return jax.jit(lambda x, *arrays: x[_index_tuple(pattern, arrays)])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _put(pattern, accumulate, x, values, *arrays):
+    where = _index_tuple(pattern, arrays)
+    if accumulate:
+        return _add_at(x, where, values)
+    return x.at[where].set(values.astype(x.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _put_masked(lead, accumulate, x, mask, values):
+    """``x[(:,)*lead + (mask,)] = values`` (or ``+=``) with no host sync: the k-th True entry of
+    ``mask`` takes the k-th row of ``values``, found by a running count of the mask."""
+    trailing = x.shape[lead + mask.ndim:]
+    target = x.shape[:lead] + (None,) + trailing  # None: the masked entries' dim
+    values = jnp.asarray(values).astype(x.dtype)
+    values = values.reshape((1,) * (len(target) - values.ndim) + values.shape)
+    rows = values.shape[lead]
+    if rows == 0:  # no values: the mask has no True entry (PyTorch raises otherwise)
+        return x
+    values = jnp.broadcast_to(values, x.shape[:lead] + (rows,) + trailing)
+    position = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, rows - 1)
+    picked = jnp.take(values, position, axis=lead).reshape(x.shape)
+    keep = mask.reshape((1,) * lead + mask.shape + (1,) * len(trailing))
+    if accumulate:
+        return _add_at_where(x, keep, picked)
+    return jnp.where(keep, picked, x)
+
+
+def _add_at_where(x, keep, values):
+    if x.dtype == np.bool_:
+        return x | (keep & values)
+    return x + jnp.where(keep, values, jnp.zeros((), x.dtype))
+
+
+def _split(indices):
+    return tuple(True if i is not None else None for i in indices), [i for i in indices if i is not None]
+
+
+@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, jit=False)
+def index(x, indices):
+    if len(indices) > max(x.ndim, 1):
+        raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
+    pattern, arrays = _split(_masks_to_indices(x, indices))
+    return _gather(pattern)(x, *arrays)
+
+
+def _single_mask(indices):
+    """The position of the only index if it is a (non 0-d) bool mask, else None."""
+    given = [k for k, i in enumerate(indices) if i is not None]
+    if len(given) == 1 and indices[given[0]].dtype == np.bool_ and indices[given[0]].ndim:
+        return given[0]
+    return None
+
+
+@lowering(aten.index_put.default, aten._unsafe_index_put.default, jit=False)
+def index_put(x, indices, values, accumulate=False):
+    lead = _single_mask(indices)
+    if lead is not None:  # the common x[mask] = v: traceable, no host sync
+        mask = indices[lead]
+        if x.shape[lead:lead + mask.ndim] != mask.shape:
+            raise IndexError(f"The shape of the mask {list(mask.shape)} at index 0 does not match the shape "
+                             f"of the indexed tensor {list(x.shape)} at index {lead}")
+        return _put_masked(lead, bool(accumulate), x, mask, values)
+    pattern, arrays = _split(_masks_to_indices(x, indices))
+    return _put(pattern, bool(accumulate), x, jnp.asarray(values), *arrays)
+
+
+@lowering(aten._index_put_impl_.default, jit=False)
+def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    return index_put(x, indices, values, accumulate)
+
+
+# ---------------------------------------------------------------- index_* along one dim
+
+def _along(x, dim: int, index):
+    """The index tuple that picks ``index`` along ``dim`` (x at least 1-d)."""
+    where = [slice(None)] * x.ndim
+    where[dim] = index.reshape(-1)
+    return tuple(where)
+
+
+def _at_least_1d(fn):
+    """Run ``fn(x, dim, ...)`` on 0-d ``x`` as on a 1-element vector, as PyTorch allows."""
+
+    @functools.wraps(fn)
+    def wrapper(x, dim, *args, **kwargs):
+        if x.ndim:
+            return fn(x, _dim(dim, x.ndim), *args, **kwargs)
+        _dim(dim, 0)
+        args = [a.reshape(1) if hasattr(a, "ndim") and a.ndim == 0 and k != 0 else a for k, a in enumerate(args)]
+        return fn(x.reshape(1), 0, *args, **kwargs).reshape(())
+
+    return wrapper
+
+
+@lowering(aten.index_select.default)
+@_at_least_1d
+def index_select(x, dim, index):
+    return jnp.take(x, index.reshape(-1), axis=dim, mode="clip")
+
+
+@lowering(aten.index_add.default)
+@_at_least_1d
+def index_add(x, dim, index, source, *, alpha=1):
+    return _add_at(x, _along(x, dim, index), source * alpha)
+
+
+@lowering(aten.index_copy.default)
+@_at_least_1d
+def index_copy(x, dim, index, source):
+    return x.at[_along(x, dim, index)].set(source.astype(x.dtype))
+
+
+@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@_at_least_1d
+def index_fill(x, dim, index, value):
+    return x.at[_along(x, dim, index)].set(jnp.asarray(value).astype(x.dtype))
+
+
+def _identity(reduce: str, dtype):
+    if reduce in ("sum", "mean"):
+        return 0
+    if reduce == "prod":
+        return 1
+    info = jnp.finfo(dtype) if is_float(dtype) else jnp.iinfo(dtype)
+    big = jnp.inf if is_float(dtype) else info.max
+    small = -jnp.inf if is_float(dtype) else info.min
+    return small if reduce == "amax" else big
+
+
+_AT_METHODS = {"sum": "add", "prod": "multiply", "amax": "max", "amin": "min"}
+
+
+def _reduce_into(x, where, src, reduce: str, include_self: bool):
+    """``x`` with ``src`` reduced into positions ``where`` (scatter_reduce / index_reduce)."""
+    if x.dtype == np.bool_:  # XLA has no bool arithmetic: reduce as 0/1 integers
+        return _reduce_into(x.astype(jnp.int32), where, src.astype(jnp.int32), reduce, include_self) != 0
+    src = src.astype(x.dtype)
+    base = x if include_self else x.at[where].set(_identity(reduce, x.dtype))
+    if reduce != "mean":
+        return getattr(base.at[where], _AT_METHODS[reduce])(src)
+    total = base.at[where].add(src)
+    count = jnp.full(x.shape, 1 if include_self else 0, x.dtype).at[where].add(jnp.ones_like(src))
+    count = jnp.where(count == 0, 1, count)
+    return total // count if is_integral(x.dtype) else total / count
+
+
+@lowering(aten.index_reduce.default)
+@_at_least_1d
+def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    return _reduce_into(x, _along(x, dim, index), source, reduce, include_self)
+
+
+# ---------------------------------------------------------------- gather / scatter
+
+def _positions(index, dim: int):
+    """Scatter/gather coordinates: ``index`` along ``dim``, the element's own position elsewhere."""
+    grid = list(np.indices(index.shape, sparse=True))
+    grid[dim] = index
+    return tuple(grid)
+
+
+def _crop(src, shape):
+    return src[tuple(slice(0, n) for n in shape)]
+
+
+@lowering(aten.gather.default)
+def gather(x, dim, index, *, sparse_grad=False):
+    """The result has ``index``'s shape (also for 0-d ``x`` and empty ``index``)."""
+    if index.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    dim = _dim(dim, x.ndim)
+    x1, index1 = x.reshape(x.shape or (1,)), index.reshape(index.shape or (1,))
+    shape = tuple(n if k != dim else x1.shape[k] for k, n in enumerate(index1.shape))
+    return jnp.take_along_axis(_crop(x1, shape), index1, axis=dim, mode="clip").reshape(index.shape)
+
+
+def _add_at(x, where, values):
+    """``x.at[where].add(values)``; for bool, a logical or (XLA has no bool add)."""
+    if x.dtype == np.bool_:
+        return x.astype(jnp.int32).at[where].add(jnp.asarray(values).astype(jnp.int32)) != 0
+    return x.at[where].add(jnp.asarray(values).astype(x.dtype))
+
+
+def _scatter(x, dim, index, src, method: str):
+    if index.size == 0:
+        return x
+    if index.ndim == 0:
+        index = index.reshape(1)
+    src = _crop(src, index.shape) if hasattr(src, "ndim") and src.ndim else src
+    if method == "add":
+        return _add_at(x, _positions(index, dim), src)
+    at = x.at[_positions(index, dim)]
+    return getattr(at, method)(jnp.asarray(src).astype(x.dtype))
+
+
+@lowering(aten.scatter.src, aten.scatter.value)
+@_at_least_1d
+def scatter(x, dim, index, src):
+    return _scatter(x, dim, index, src, "set")
+
+
+_SCATTER_REDUCE = {"add": "add", "multiply": "multiply"}
+
+
+@lowering(aten.scatter.reduce, aten.scatter.value_reduce)
+@_at_least_1d
+def scatter_reduce_legacy(x, dim, index, src, *, reduce):
+    if reduce not in _SCATTER_REDUCE:
+        raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce}")
+    return _scatter(x, dim, index, src, _SCATTER_REDUCE[reduce])
+
+
+@lowering(aten.scatter_add.default)
+@_at_least_1d
+def scatter_add(x, dim, index, src):
+    return _scatter(x, dim, index, src, "add")
+
+
+@lowering(aten.scatter_reduce.two)
+@_at_least_1d
+def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    if index.size == 0:
+        return x
+    if index.ndim == 0:
+        index = index.reshape(1)
+    return _reduce_into(x, _positions(index, dim), _crop(src, index.shape), reduce, include_self)
+
+
+@lowering(aten.put.default)
+def put(x, index, source, accumulate=False):
+    flat = x.reshape(-1)
+    index = jnp.where(index < 0, index + flat.size, index).reshape(-1)
+    source = source.reshape(-1)
+    out = _add_at(flat, index, source) if accumulate else flat.at[index].set(source.astype(x.dtype))
+    return out.reshape(x.shape)
+
+
+@lowering(aten.take.default)
+def take(x, index):
+    flat = x.reshape(-1)
+    index = jnp.where(index < 0, index + flat.size, index)
+    return jnp.take(flat, index, mode="clip")
+
+
+# ---------------------------------------------------------------- masks
+
+@lowering(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(x, mask, value):
+    return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
+
+
+def _broadcast(x, mask):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    return jnp.broadcast_to(x, shape), jnp.broadcast_to(mask, shape)
+
+
+@lowering(aten.masked_scatter.default)
+def masked_scatter(x, mask, source):
+    x, mask = _broadcast(x, mask)
+    flat = mask.reshape(-1)
+    if source.size == 0:
+        return x
+    position = jnp.clip(jnp.cumsum(flat) - 1, 0, source.size - 1)
+    values = source.reshape(-1)[position].astype(x.dtype)
+    return jnp.where(flat, values, x.reshape(-1)).reshape(x.shape)
+
+
+@lowering(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad, mask, sizes):
+    grad, mask = _broadcast(grad, mask)
+    flat = mask.reshape(-1)
+    n = int(np.prod(sizes))
+    position = jnp.where(flat, jnp.cumsum(flat) - 1, n)
+    return jnp.zeros((n,), grad.dtype).at[position].set(grad.reshape(-1), mode="drop").reshape(sizes)
+
+
+@lowering(aten.masked_select.default, jit=False)
+def masked_select(x, mask):
+    x, mask = _broadcast(x, mask)
+    return index(x.reshape(-1), [mask.reshape(-1)])
+
+
+@lowering(aten.nonzero.default, jit=False)
+def nonzero(x):
+    return _device_put(x, np.argwhere(_host(x, "nonzero (use nonzero_static)")).astype(np.int64))[0]
+
+
+@lowering(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    if x.size == 0:
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    return jnp.argwhere(x, size=size, fill_value=fill_value).astype(jnp.int64).reshape(size, x.ndim)
+
+
+# ---------------------------------------------------------------- sorting
+
+def _sort(x, dim: int, descending: bool):
+    """Stable sort along ``dim``: (values, int64 indices); NaN sorts as the largest value."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    d = _dim(dim, x.ndim)
+    iota = lax.broadcasted_iota(jnp.int64, x.shape, d)
+    if not descending:
+        return tuple(lax.sort((x, iota), dimension=d, is_stable=True, num_keys=1))
+    # stable descending: reverse, stable ascending sort, reverse back (ties keep original order)
+    values, indices = lax.sort((jnp.flip(x, d), jnp.flip(iota, d)), dimension=d, is_stable=True, num_keys=1)
+    return jnp.flip(values, d), jnp.flip(indices, d)
+
+
+@lowering(aten.sort.default)
+def sort(x, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@lowering(aten.sort.stable)
+def sort_stable(x, *, stable=None, dim=-1, descending=False):
+    return _sort(x, dim, descending)
+
+
+@lowering(aten.argsort.stable)
+def argsort_stable(x, *, stable, dim=-1, descending=False):
+    return _sort(x, dim, descending)[1]
+
+
+@lowering(aten.topk.default)
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    values, indices = _sort(x, dim, largest)
+    if x.ndim == 0:
+        return values, indices
+    d = _dim(dim, x.ndim)
+    if k > x.shape[d]:
+        raise RuntimeError("selected index k out of range")
+    return lax.slice_in_dim(values, 0, k, axis=d), lax.slice_in_dim(indices, 0, k, axis=d)
+
+
+@lowering(aten.kthvalue.default)
+def kthvalue(x, k, dim=-1, keepdim=False):
+    values, indices = _sort(x, dim, False)
+    if x.ndim == 0:
+        return values, indices
+    d = _dim(dim, x.ndim)
+    if not 1 <= k <= x.shape[d]:
+        raise IndexError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    pick = lambda a: lax.index_in_dim(a, k - 1, axis=d, keepdims=keepdim)  # noqa: E731
+    return pick(values), pick(indices)
+
+
+# ---------------------------------------------------------------- searching and counting
+
+def _searchsorted(seq, x, side: str, out_int32: bool, sorter=None):
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    dtype = jnp.int32 if out_int32 else jnp.int64
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq, x, side=side).astype(dtype)
+    batch = int(np.prod(seq.shape[:-1]))
+    if batch == 0 or x.size == 0:
+        return jnp.zeros(x.shape, dtype)
+    rows = seq.reshape(batch, seq.shape[-1])
+    found = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(rows, x.reshape(batch, -1))
+    return found.reshape(x.shape).astype(dtype)
+
+
+@lowering(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(seq, x, *, out_int32=False, right=False, side=None, sorter=None):
+    side = side or ("right" if right else "left")
+    return _searchsorted(seq, jnp.asarray(x, dtype=seq.dtype if not hasattr(x, "ndim") else None), side,
+                         out_int32, sorter)
+
+
+@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(x, boundaries, *, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(x), "right" if right else "left", out_int32)
+
+
+@lowering(aten.bincount.default, jit=False)
+def bincount(x, weights=None, minlength=0):
+    host = _host(x, "bincount")
+    if host.ndim != 1 or (host.size and host.min() < 0):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    length = max(int(host.max()) + 1 if host.size else 0, minlength)
+    return _bincount(length, x, weights)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _bincount(length, x, weights):
+    if weights is None:
+        return jnp.zeros((length,), jnp.int64).at[x].add(1)
+    dtype = weights.dtype if is_float(weights.dtype) else jnp.float64
+    return jnp.zeros((length,), dtype).at[x].add(weights.astype(dtype))
+
+
+@lowering(aten.histc.default)
+def histc(x, bins=100, min=0, max=0):
+    lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    same = lo == hi
+    lo = jnp.where(same, jnp.min(x, initial=jnp.inf), lo)
+    hi = jnp.where(same, jnp.max(x, initial=-jnp.inf), hi)
+    lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    bin_of = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64)
+    bin_of = jnp.where(x == hi, bins - 1, bin_of)
+    valid = (x >= lo) & (x <= hi)
+    return jnp.zeros((bins,), x.dtype).at[jnp.where(valid, bin_of, bins)].add(1, mode="drop")
+
+
+# ---------------------------------------------------------------- unique
+
+def _host(x, name: str) -> np.ndarray:
+    """``x``'s values on the host: data-dependent shapes are computed there (one sync)."""
+    if isinstance(x, jax.core.Tracer):
+        raise NotImplementedError(f"{name} has a data-dependent output shape and cannot be traced")
+    return np.asarray(x)
+
+
+def _device_put(like, *arrays):
+    """Host results onto ``like``'s device."""
+    device = next(iter(like.devices())) if hasattr(like, "devices") else None
+    return tuple(jax.device_put(np.asarray(a), device) for a in arrays)
+
+
+_EMPTY_LONG = np.zeros((0,), np.int64)
+
+
+@lowering(aten._unique2.default, jit=False)
+def unique2(x, sorted=True, return_inverse=False, return_counts=False):
+    values, inverse, counts = np.unique(_host(x, "unique").reshape(-1), return_inverse=True, return_counts=True)
+    return _device_put(x, values, inverse.reshape(x.shape).astype(np.int64) if return_inverse else _EMPTY_LONG,
+                       counts.astype(np.int64) if return_counts else _EMPTY_LONG)
+
+
+@lowering(aten.unique_dim.default, jit=False)
+def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
+    values, inverse, counts = np.unique(_host(x, "unique"), return_inverse=True, return_counts=True,
+                                        axis=_dim(dim, x.ndim))
+    return _device_put(x, values, inverse.reshape(-1).astype(np.int64) if return_inverse else _EMPTY_LONG,
+                       counts.astype(np.int64) if return_counts else _EMPTY_LONG)
+
+
+@lowering(aten.unique_consecutive.default, jit=False)
+def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    host = _host(x, "unique_consecutive")
+    d = 0 if dim is None else _dim(dim, x.ndim)
+    moved = host.reshape(-1) if dim is None else np.moveaxis(host, d, 0)
+    n = moved.shape[0]
+    rows = moved.reshape(n, int(np.prod(moved.shape[1:])))
+    change = np.concatenate([np.ones(min(n, 1), bool), np.any(rows[1:] != rows[:-1], axis=1)])
+    starts = np.flatnonzero(change)
+    values = moved[starts] if dim is None else np.moveaxis(moved[starts], 0, d)
+    inverse = np.cumsum(change) - 1
+    counts = np.diff(np.append(starts, n))
+    return _device_put(x, values, inverse.reshape(x.shape if dim is None else -1) if return_inverse else _EMPTY_LONG,
+                       counts if return_counts else _EMPTY_LONG)
+
+
+# ---------------------------------------------------------------- embedding_bag
+
+_SUM, _MEAN, _MAX = range(3)
+
+
+def _bags(indices, offsets, include_last_offset: bool):
+    """(number of bags, the bag of each index)."""
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    starts = offsets[:bags]
+    bag_of = jnp.searchsorted(starts, jnp.arange(indices.shape[0]), side="right") - 1
+    return bags, bag_of.astype(jnp.int64)
+
+
+def _kept(indices, padding_idx: int):
+    return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+
+
+@lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """(output, offset2bag, bag_size, max_indices) laid out as PyTorch's CPU kernel returns them."""
+    bags, bag_of = _bags(indices, offsets, include_last_offset)
+    keep = _kept(indices, padding_idx)
+    rows = jnp.take(weight, indices, axis=0, mode="clip")
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    count = jnp.zeros((bags,), jnp.int64).at[bag_of].add(keep.astype(jnp.int64), mode="drop")
+    zeros = jnp.zeros((bags,), jnp.int64)
+    if mode == _MAX:
+        masked = jnp.where(keep[:, None], rows, -jnp.inf)
+        best = jnp.full((bags, weight.shape[1]), -jnp.inf, weight.dtype).at[bag_of].max(masked, mode="drop")
+        hit = (masked == best[bag_of]) & keep[:, None]
+        big = jnp.iinfo(jnp.int64).max
+        arg = jnp.full(best.shape, big, jnp.int64).at[bag_of].min(
+            jnp.where(hit, indices[:, None].astype(jnp.int64), big), mode="drop")
+        empty = (count == 0)[:, None]
+        return jnp.where(empty, 0, best).astype(weight.dtype), bag_of, count, jnp.where(empty, 0, arg)
+    total = jnp.zeros((bags, weight.shape[1]), weight.dtype).at[bag_of].add(
+        jnp.where(keep[:, None], rows, 0), mode="drop")
+    if mode == _SUM:
+        return total, bag_of, zeros, zeros
+    mean = total / jnp.maximum(count, 1)[:, None].astype(weight.dtype)
+    return mean.astype(weight.dtype), bag_of, count, count
+
+
+@lowering(aten._embedding_bag_dense_backward.default)
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                 scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    out = jnp.zeros((num_weights, grad.shape[1]), grad.dtype)
+    if mode == _MAX:
+        columns = np.arange(grad.shape[1])[None, :]
+        return out.at[maximum_indices, columns].add(jnp.where((bag_size > 0)[:, None], grad, 0))
+    rows = grad[offset2bag]
+    if mode == _MEAN:
+        rows = rows / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(grad.dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(grad.dtype)
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), grad.dtype).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    return out.at[indices].add(jnp.where(_kept(indices, padding_idx)[:, None], rows, 0))
+
+
+@lowering(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    if mode != _SUM:
+        raise RuntimeError("embedding_bag_backward: per_sample_weights only supported for mode='sum'")
+    dots = jnp.sum(grad[offset2bag] * jnp.take(weight, indices, axis=0, mode="clip"), axis=1)
+    return jnp.where(_kept(indices, padding_idx), dots, 0).astype(grad.dtype)
+
+
+@lowering(aten._embedding_bag_backward.default)
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                           scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("tpu: embedding_bag(sparse=True) gradients are not supported; use sparse=False")
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                        scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _repeat_positions(length, repeats):
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=length)
+
+
+@lowering(aten.repeat_interleave.Tensor, jit=False)
+def repeat_interleave(repeats, *, output_size=None):
+    """``[0]*repeats[0] + [1]*repeats[1] + ...``; the length is read on the host unless given."""
+    if repeats.ndim != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if output_size is None:
+        host = _host(repeats, "repeat_interleave without output_size")
+        if host.size and host.min() < 0:
+            raise RuntimeError("repeats can not be negative")
+        output_size = int(host.sum())
+    return _repeat_positions(output_size, repeats)
+
+
+@lowering(aten._unique.default, jit=False)
+def unique_legacy(x, sorted=True, return_inverse=False):
+    return unique2(x, sorted, return_inverse, False)[:2]

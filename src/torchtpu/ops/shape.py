@@ -7,7 +7,15 @@ View ops are not registered here with ``@lowering``: eager runs them as metadata
 ``expand``, ``slice.Tensor``, ``select.int``, ``split_with_sizes``, ``unbind``, ...). In a
 compiled graph a view's input is a value, so ``as_strided`` reads its input as a contiguous
 storage. ``_to_copy`` is in that table too: eager's ``.to()`` also moves data between devices,
-which a lowering cannot, so eager keeps PyTorch's kernel (empty + ``copy_``) for it.
+which a lowering cannot, so eager keeps its own kernel for it. Advanced indexing
+(``index.Tensor``, ``index_put``) is there too: its eager lowering is ``jit=False`` for boolean
+masks, but a graph only ever holds integer indices, which trace. So are ``empty``,
+``full_like``, ``zeros_like`` and ``ones_like`` (``factories.GRAPH_FACTORIES``): eager runs its
+own lazy ``empty``, and its ``*_like`` may change device.
+
+``clone`` returns a contiguous tensor whatever the input's strides (PyTorch's default
+``preserve_format`` would keep a dense input's strides), so ``as_strided_scatter`` reads its
+input's elements in contiguous order.
 
 The ``*_copy`` overloads (``expand_copy``, ``permute_copy``, ...) are functional, so they are
 ordinary lowerings built from the same table.
@@ -140,6 +148,10 @@ def _identity(x, *args, **kwargs):
     return x
 
 
+def _fresh_copy(x):
+    return jnp.copy(x)  # a copy op must not hand back its input's buffer
+
+
 def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     return x if dtype is None else x.astype(to_jax_dtype(dtype))
 
@@ -173,7 +185,17 @@ _VIEWS: dict[OpOverload, Callable] = {
     aten.narrow.default: lambda x, dim, start, length: _slice(x, dim, start, start + length),
 }
 
-VIEW_LOWERINGS: dict[OpOverload, Callable] = {**_VIEWS, aten._to_copy.default: _to_copy}
+
+def _graph_only_lowerings() -> dict[OpOverload, Callable]:
+    """Advanced indexing (eager's is ``jit=False`` only for boolean masks, which dynamo never puts
+    in a graph) and the factories eager runs its own way (``empty``, ``*_like``)."""
+    from torchtpu.ops import factories, indexing
+
+    return {**factories.GRAPH_FACTORIES, aten.index.Tensor: indexing.index, aten._unsafe_index.Tensor: indexing.index,
+            aten.index_put.default: indexing.index_put, aten._unsafe_index_put.default: indexing.index_put}
+
+
+VIEW_LOWERINGS: dict[OpOverload, Callable] = {**_VIEWS, aten._to_copy.default: _to_copy, **_graph_only_lowerings()}
 
 
 def _register_copies() -> None:
@@ -183,7 +205,7 @@ def _register_copies() -> None:
         name = op._schema.name.split("::")[1]
         packet = getattr(aten, name + "_copy", None)
         if packet is not None and op._overloadname in packet.overloads():
-            lowering(getattr(packet, op._overloadname))(fn)
+            lowering(getattr(packet, op._overloadname))(_fresh_copy if fn is _identity else fn)
 
 
 _register_copies()
@@ -191,7 +213,7 @@ _register_copies()
 
 @lowering(aten.clone.default)
 def clone(x, *, memory_format=None):
-    return x
+    return jnp.copy(x)
 
 
 # ---------------------------------------------------------------- joining and rearranging
@@ -253,20 +275,32 @@ def constant_pad_nd(x, pad, value=0):
     return lax.pad(x, jnp.asarray(value).astype(x.dtype), config)  # negative pads crop, as in PyTorch
 
 
+def _source_index(mode: str, n: int, lo: int, hi: int) -> np.ndarray:
+    """For each output position along a padded dim, the input position it reads (PyTorch's rule,
+    which also gives negative pads their meaning)."""
+    i = np.arange(-lo, n + hi)
+    if mode == "replication":
+        return np.clip(i, 0, n - 1)
+    i = np.abs(i)
+    return (n - 1) - np.abs((n - 1) - i)
+
+
 def _pad_mode(mode: str, spatial: int):
     def forward(x, padding):
         if x.ndim not in (spatial + 1, spatial + 2):
             raise RuntimeError(f"{mode}_pad{spatial}d: expected {spatial + 1}D or {spatial + 2}D input, got {x.ndim}D")
-        config = _pad_config(x.ndim, padding)
-        if mode == "reflection":
-            for d, (lo, hi) in enumerate(config):
-                if max(lo, hi) >= x.shape[d] and (lo or hi):
-                    raise RuntimeError(f"Argument #4: Padding size should be less than the corresponding input "
-                                       f"dimension, but got: padding ({lo}, {hi}) at dimension {d} of input {list(x.shape)}")
-        crop = tuple(slice(-min(lo, 0) or None, (x.shape[d] + min(hi, 0)) or None)
-                     for d, (lo, hi) in enumerate(config))
-        positive = [(max(lo, 0), max(hi, 0)) for lo, hi in config]
-        return jnp.pad(x[crop], positive, mode="reflect" if mode == "reflection" else "edge")
+        for d, (lo, hi) in enumerate(_pad_config(x.ndim, padding)):
+            if lo == hi == 0:
+                continue
+            n = x.shape[d]
+            if mode == "reflection" and max(lo, hi) >= n:
+                raise RuntimeError(f"Argument #4: Padding size should be less than the corresponding input "
+                                   f"dimension, but got: padding ({lo}, {hi}) at dimension {d} of input "
+                                   f"{list(x.shape)}")
+            if n + lo + hi <= 0 or n == 0:
+                return jnp.zeros(x.shape[:d] + (max(n + lo + hi, 0),) + x.shape[d + 1:], x.dtype)
+            x = jnp.take(x, _source_index(mode, n, lo, hi), axis=d)
+        return x
 
     def backward(grad, x, padding):
         return jax.vjp(lambda v: forward(v, padding), x)[1](grad)[0]
