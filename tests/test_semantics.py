@@ -304,3 +304,14 @@ def test_complex_real_views_alias():
         return c, back * 2
 
     check(fn, torch.randn(3, 2, dtype=torch.complex64))
+
+
+def test_cpu_index_tensors_index_a_tpu_tensor():
+    idx = torch.tensor([0, 2])
+
+    def fn(x):
+        y = x[idx, 1:] * 2
+        x[idx] = 0.5
+        return x, y, x[x > 0.4]
+
+    check(fn, torch.rand(4, 5))

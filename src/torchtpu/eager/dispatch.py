@@ -25,7 +25,7 @@ from torchtpu.ops.registry import Lowering
 from torchtpu.runtime import platform, rng
 from torchtpu import metrics
 
-_TENSOR, _LIST, _SCALAR, _STATIC = range(4)
+_TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
 _PY_SCALARS = (bool, int, float, complex)
 
 
@@ -45,8 +45,10 @@ def _arg_kind(arg) -> int:
     text = str(arg.type)
     if text in ("Tensor", "Optional[Tensor]"):
         return _TENSOR
-    if text in ("List[Tensor]", "List[Optional[Tensor]]"):
+    if text == "List[Tensor]":
         return _LIST
+    if text == "List[Optional[Tensor]]":  # index lists (x[idx], index_put): CPU indices allowed
+        return _INDICES
     if text in ("number", "Optional[number]"):
         return _SCALAR
     return _STATIC
@@ -123,11 +125,15 @@ class Call:
             else:
                 return _freeze(a)
             return DYN
-        if kind == _LIST:
+        if kind == _LIST or kind == _INDICES:
             pattern = []
             for t in a:
                 if t is None:
                     pattern.append(None)
+                elif kind == _INDICES and t.get_device() < 0 and t.device.type == "cpu":
+                    # as on CUDA, a CPU index tensor may index a device tensor: it is sent over
+                    dyn.append(transfer_to_device(t, self.device or 0))
+                    pattern.append(DYN)
                 else:
                     dyn.append(self._array(t))
                     pattern.append(DYN)
@@ -149,6 +155,12 @@ class Call:
             # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
             return np.asarray(t.item(), dtype=bridge.TORCH_JAX[t.dtype])
         raise device_mismatch(torch.device("tpu", self.device or 0), t.device)
+
+
+def transfer_to_device(t: torch.Tensor, index: int):
+    from torchtpu.eager.transfer import to_device
+
+    return to_device(t, index)
 
 
 def _rebuild(key, dyn):
