@@ -9,11 +9,8 @@ aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("no_fallback")
 TOL = dict(atol=1e-4, rtol=1e-4)
 
-# Known core defect (not in ops/fft.py): tpu copies ignore the conj bit, so a lazy `x.conj()` reads
-# back unconjugated through `.cpu()`, `clone()`, `_to_copy`; and `conj_physical` (composite) has a
-# PrivateUse1 kernel, which cuts autograd (silent None grads). torch.fft conjugates lazily in
-# ifft(real), ihfft and hfft*; the cases below are strict xfails: remove them once the core is fixed.
-CONJ_BIT = "core: conj bit ignored by tpu copies / conj_physical autograd (see module comment)"
+# torch.fft conjugates lazily (the conj bit) in ifft(real), ihfft and hfft*: those cases check that
+# the bridge resolves the bit and that conj_physical keeps its autograd.
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
@@ -90,22 +87,12 @@ N_D_ARGS = [{}, {"s": (3, 8)}, {"dim": (2, 0)}, {"s": (5, 2, 7), "dim": (0, 1, 2
 NORMS = [None, "backward", "forward", "ortho"]
 
 
-def _conj_lazy(name: str, dtype: torch.dtype, kwargs: dict) -> bool:
-    """Whether PyTorch computes ``name`` through a lazy conj (hit by the core defect above)."""
-    single = name in ONE_D or len(kwargs.get("dim", (0, 0))) == 1
-    if name in ("hfft2", "hfftn"):
-        return dtype.is_complex or not single  # conj of a real input is a no-op
-    return (name == "ifft" and not dtype.is_complex) or (name == "hfft" and dtype.is_complex) or \
-        (name in ("ihfft", "ihfft2", "ihfftn") and single)
-
-
 def _cases(table, arg_list):
     for name, takes_complex in table.items():
         for dtype in (torch.float32, torch.complex64) if takes_complex else (torch.float32,):
             for i, kwargs in enumerate(arg_list[:3] if name.endswith("2") else arg_list):
                 kw = dict(kwargs, norm=NORMS[i % len(NORMS)])  # every norm, spread over the arguments
-                marks = [pytest.mark.xfail(reason=CONJ_BIT, strict=True)] if _conj_lazy(name, dtype, kw) else []
-                yield pytest.param(name, dtype, kw, marks=marks, id=f"{name}-{str(dtype)[6:]}-{kw}")
+                yield pytest.param(name, dtype, kw, id=f"{name}-{str(dtype)[6:]}-{kw}")
 
 
 @pytest.mark.parametrize("name,dtype,kwargs", list(_cases(ONE_D, ONE_D_ARGS)))
@@ -194,13 +181,8 @@ GRADS = [
 ]
 
 
-GRADS_CONJ = {("ifft", torch.float32), ("hfft", torch.complex64), ("ihfft", torch.float32), ("ihfft2", torch.float32)}
-
-
-@pytest.mark.parametrize("name,dtype,kwargs", [
-    pytest.param(n, d, k, id=f"{n}-{str(d)[6:]}-{k}",
-                 marks=[pytest.mark.xfail(reason=CONJ_BIT, strict=True)] if (n, d) in GRADS_CONJ else [])
-    for n, d, k in GRADS])
+@pytest.mark.parametrize("name,dtype,kwargs", [pytest.param(n, d, k, id=f"{n}-{str(d)[6:]}-{k}")
+                                               for n, d, k in GRADS])
 def test_gradients(name, dtype, kwargs):
     check(lambda t: getattr(torch.fft, name)(t, **kwargs), randn(4, 6, dtype=dtype), grad=True)
 
@@ -228,10 +210,6 @@ def test_compiled():
 # ---------------------------------------------------------------- OpInfo fft.* entries
 
 FFT_OPS = [op for op in op_db if op.name.startswith("fft.")]
-# entries whose CPU computation conjugates lazily (see CONJ_BIT): (name, dtype)
-OPINFO_CONJ = {("fft.hfft2", torch.float32), ("fft.hfftn", torch.float32), ("fft.ifft", torch.float32),
-               ("fft.ihfft", torch.float32), ("fft.ihfft2", torch.float32), ("fft.ihfftn", torch.float32),
-               ("fft.hfft", torch.complex64), ("fft.hfft2", torch.complex64), ("fft.hfftn", torch.complex64)}
 
 
 def _opinfo_params():
@@ -239,8 +217,7 @@ def _opinfo_params():
         for dtype in (torch.float32, torch.complex64):
             if dtype not in op.supported_dtypes("cpu"):
                 continue
-            marks = [pytest.mark.xfail(reason=CONJ_BIT, strict=True)] if (op.name, dtype) in OPINFO_CONJ else []
-            yield pytest.param(op, dtype, marks=marks, id=f"{op.name}-{str(dtype)[6:]}")
+            yield pytest.param(op, dtype, id=f"{op.name}-{str(dtype)[6:]}")
 
 
 @pytest.mark.parametrize("op,dtype", list(_opinfo_params()))

@@ -315,3 +315,14 @@ def test_cpu_index_tensors_index_a_tpu_tensor():
         return x, y, x[x > 0.4]
 
     check(fn, torch.rand(4, 5))
+
+
+def test_lazy_conjugate_and_negation_bits():
+    def fn(c):
+        lazy = c.conj()
+        view = lazy[1:]  # a view keeps the bit
+        out = torch.empty_like(c)
+        out.conj().copy_(c)  # writing through a conjugated view stores the conjugate
+        return lazy.clone(), view * 2, lazy.resolve_conj(), torch._neg_view(c).clone(), out
+
+    check(fn, torch.randn(3, 2, dtype=torch.complex64))

@@ -35,10 +35,13 @@ def _convert_element_type(x, dtype):
     return x.astype(to_jax_dtype(dtype))
 
 
-# Overloads whose meaning is specific to graphs (mutation epilogues).
+# Overloads whose meaning is specific to graphs: mutation epilogues, and the lazy conjugate and
+# negation bits (eager resolves them in the bridge; a graph computes them).
 GRAPH_LOWERINGS: dict[OpOverload, Callable] = {
     aten.copy.default: _copy,
     aten.copy_.default: _copy,
+    aten._conj.default: jnp.conj,
+    aten._neg_view.default: jnp.negative,
 }
 
 # prims some decompositions produce (fma is registered only once Inductor is imported).
@@ -81,16 +84,6 @@ def _foreach(op: OpOverload) -> Callable | None:
     return each
 
 
-def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return jnp.full(x.shape, fill_value, dtype=x.dtype if dtype is None else to_jax_dtype(dtype))
-
-
-# Used only while the registry lacks them (other op families are still being written).
-TEMPORARY_LOWERINGS: dict[OpOverload, Callable] = {
-    aten.full_like.default: _full_like,
-}
-
-
 def view_lowerings() -> dict[OpOverload, Callable]:
     from torchtpu.ops import shape
 
@@ -98,8 +91,7 @@ def view_lowerings() -> dict[OpOverload, Callable]:
 
 
 def has_lowering(op: OpOverload) -> bool:
-    return _graph_lowering(op) is not None or op in view_lowerings() or op in registry.LOWERINGS \
-        or op in TEMPORARY_LOWERINGS
+    return _graph_lowering(op) is not None or op in view_lowerings() or op in registry.LOWERINGS
 
 
 @dataclass
@@ -122,8 +114,6 @@ def _resolve(node: Node, random_count: int) -> _Step:
         return _Step(node, fn)
     low = registry.LOWERINGS.get(target)
     if low is None:
-        if target in TEMPORARY_LOWERINGS:
-            return _Step(node, TEMPORARY_LOWERINGS[target])
         raise MissingLowering(str(target))
     if not low.jit:
         raise MissingLowering(f"tpu: {target} has a data-dependent output shape and cannot run in a "

@@ -199,13 +199,26 @@ def read(t: torch.Tensor) -> jax.Array:
     elif isinstance(array, LAZY_TYPES) and not deferring:
         array = array.materialize()
     if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
-        return array
-    value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                          to_jax_dtype(t.dtype)), array)
-    if t.storage_offset() == 0 and t.is_contiguous() and value.size * value.dtype.itemsize == array.size * \
-            array.dtype.itemsize:
-        storage._jax = value  # same bytes, now in the shape and dtype readers use (e.g. after torch.load)
+        value = array
+    else:
+        value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                              to_jax_dtype(t.dtype)), array)
+        if t.storage_offset() == 0 and t.is_contiguous() and value.size * value.dtype.itemsize == array.size * \
+                array.dtype.itemsize:
+            storage._jax = value  # same bytes, now in the shape and dtype readers use (e.g. after torch.load)
+    if t.is_conj() or t.is_neg():  # PyTorch's lazy conjugate/negation bits: the data is not changed yet
+        value = apply(_resolve_bits(t.is_conj(), t.is_neg()), value)
     return value
+
+
+@functools.cache
+def _resolve_bits(conj: bool, neg: bool):
+    """Logical value from stored data (and back: both maps are their own inverse)."""
+    def resolve(x):
+        x = jnp.conj(x) if conj else x
+        return -x if neg else x
+
+    return jax.jit(resolve)
 
 
 def concrete(t: torch.Tensor) -> jax.Array:
@@ -245,6 +258,8 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     dtype = to_jax_dtype(t.dtype)
     if value.dtype != dtype:
         value = apply(_cast(dtype), value)
+    if t.is_conj() or t.is_neg():
+        value = apply(_resolve_bits(t.is_conj(), t.is_neg()), value)
     if tuple(value.shape) != tuple(t.shape):
         value = apply(_broadcast(tuple(t.shape)), value)
     storage = t.untyped_storage()

@@ -19,6 +19,10 @@ def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype 
     """A tensor sharing ``base``'s storage with the given geometry (and dtype)."""
     view = bridge._shell(dtype or base.dtype, base.device.index or 0)
     bridge.restride(view, base.untyped_storage(), offset, size, stride)
+    if base.is_conj():  # a view keeps its base's lazy conjugate/negation bits, as in PyTorch
+        torch._C._set_conj(view, True)
+    if base.is_neg():
+        torch._C._set_neg(view, True)
     return view
 
 
