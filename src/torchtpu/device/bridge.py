@@ -340,13 +340,52 @@ def _gather(array_shape, array_dtype, shape, strides, offset, dtype):
     numel = math.prod(shape)
     contiguous = tuple(_contiguous_strides(shape)) == strides or numel <= 1
 
+    plan = None if contiguous else _strided_plan(shape, strides)
+
     def gather(array):
         flat = _bitcast(array.reshape(-1), dtype)
         if contiguous:
             return flat[offset:offset + numel].reshape(shape)
+        if plan is not None:
+            return _strided_read(flat, offset, shape, strides, plan)
         return flat[_indices(shape, strides, offset)]
 
     return jax.jit(gather)
+
+
+def _strided_plan(shape, strides):
+    """Dims (by decreasing stride) if the view is a nest of strided slices, else None.
+
+    Transposes, permutes, slices with steps and expands all are: ordered by stride, each kept
+    dim's stride spans the next one's extent without overlap. Such a view is read with slices and
+    reshapes instead of a gather with a constant index table (diagonals and overlapping windows
+    still gather).
+    """
+    dims = sorted((d for d, n in enumerate(shape) if n > 1 and strides[d] > 0), key=lambda d: -strides[d])
+    for outer, inner in zip(dims, dims[1:]):
+        if strides[outer] < shape[inner] * strides[inner]:
+            return None
+    return tuple(dims)
+
+
+def _strided_read(flat, offset, shape, strides, dims):
+    """The view as slices and reshapes of the flat storage (see ``_strided_plan``)."""
+    if not dims:  # every dim has size 1 or stride 0: one element, broadcast
+        return jnp.broadcast_to(flat[offset], shape)
+    outer = dims[0]
+    length = shape[outer] * strides[outer]
+    block = flat[offset:offset + length]
+    if block.shape[0] < length:  # the last row's tail lies past the storage: never read, pad it
+        block = jnp.pad(block, (0, length - block.shape[0]))
+    block = block.reshape(shape[outer], strides[outer])
+    for d in dims[1:]:  # within each row of the previous dim, rows of this one
+        block = block[..., : shape[d] * strides[d]].reshape(*block.shape[:-1], shape[d], strides[d])
+    block = block[..., 0]
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    block = jnp.transpose(block, order)
+    kept = set(dims)
+    block = block.reshape([shape[d] if d in kept else 1 for d in range(len(shape))])
+    return jnp.broadcast_to(block, shape)
 
 
 @functools.cache

@@ -173,7 +173,7 @@ BINARY = {
     aten.copysign: ("INT_TO_FLOAT", jnp.copysign),
     aten.nextafter: ("DEFAULT", jnp.nextafter),
     aten.xlogy: ("INT_TO_FLOAT", jax.scipy.special.xlogy),
-    aten.logaddexp: ("DEFAULT", lambda a, b: logaddexp_complex(a, b) if jnp.iscomplexobj(a) else jnp.logaddexp(a, b)),
+    aten.logaddexp: ("DEFAULT", lambda a, b: (logaddexp_complex if jnp.iscomplexobj(a) else jnp.logaddexp)(a, b)),
     aten.logaddexp2: ("DEFAULT", jnp.logaddexp2),
     aten.bitwise_and: ("DEFAULT", jnp.bitwise_and),
     aten.bitwise_or: ("DEFAULT", jnp.bitwise_or),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torchtpu.ops.dtypes import opmath, to_jax_dtype, to_torch_dtype
+from torchtpu.ops.dtypes import opmath, promote, to_jax_dtype, to_torch_dtype
 from torchtpu.ops.registry import aten, lowering
 
 HIGHEST = lax.Precision.HIGHEST
@@ -104,14 +104,17 @@ ACTIVATIONS = {
     aten.softshrink.default: lambda x, lambd=0.5: jnp.where(x > lambd, x - lambd,
                                                             jnp.where(x < -lambd, x + lambd, 0)),
     aten.hardshrink.default: lambda x, lambd=0.5: jnp.where((x >= -lambd) & (x <= lambd), 0, x),
-    aten.logit.default: lambda x, eps=None: _logit(x, eps),
 }
 
 
-def _logit(x, eps):
-    if eps is not None:
-        x = jnp.clip(x, eps, 1 - eps)
-    return jnp.log(x / (1 - x))
+@lowering(aten.logit.default)
+def logit(x, eps=None):
+    compute, result = promote(x, kind="INT_TO_FLOAT")
+    x = x.astype(opmath(compute))
+    if eps is not None:  # PyTorch's x < lo ? lo : (x > hi ? hi : x), which differs from clip when eps > 0.5
+        lo, hi = jnp.asarray(eps, x.dtype), jnp.asarray(1 - eps, x.dtype)
+        x = jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
+    return jnp.log(x / (1 - x)).astype(result)
 
 
 def _hardswish_grad(g, x):
