@@ -392,3 +392,32 @@ def test_default_backend_passes_xla_options(no_fallback):
     fn = torch.compile(lambda t: t - 1, options={"xla_cpu_enable_fast_math": False})
     x = torch.randn(3)
     assert_close(fn(tpu(x)).cpu(), x - 1)
+
+
+def test_foreach_adamw_step_inside_compile_matches_cpu():
+    """Optimizers' multi-tensor (_foreach_*) updates, whose Scalar args map to keyword args of the
+    per-tensor ops (addcmul's value), inside a compiled step."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 8)
+    model = torch.nn.Linear(8, 8).to("tpu")
+    model.load_state_dict(ref.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), foreach=True) for m in (ref, model)]
+    x = torch.randn(4, 8)
+    xt = x.to("tpu")
+
+    @torch.compile(backend="tpu")
+    def step():
+        loss = model(xt).square().mean()
+        loss.backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        return loss
+
+    for _ in range(3):
+        loss = step()
+        expected = ref(x).square().mean()
+        expected.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-5, atol=1e-6)

@@ -76,10 +76,18 @@ def _foreach(op: OpOverload) -> Callable | None:
     fn = None if base is None else (view_lowerings().get(base) or getattr(registry.LOWERINGS.get(base), "fn", None))
     if fn is None:
         return None
+    # foreach ops take positionally what their base op may take by keyword (addcmul's value)
+    npos = sum(not a.kwarg_only for a in base._schema.arguments)
+    keywords = [a.name for a in base._schema.arguments if a.kwarg_only]
 
     def each(*args, **kwargs):
         n = len(next(a for a in args if isinstance(a, (list, tuple))))
-        return [fn(*(a[i] if isinstance(a, (list, tuple)) else a for a in args), **kwargs) for i in range(n)]
+        results = []
+        for i in range(n):
+            values = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            extra = dict(zip(keywords, values[npos:]))
+            results.append(fn(*values[:npos], **extra, **kwargs))
+        return results
 
     return each
 
