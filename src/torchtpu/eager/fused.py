@@ -95,8 +95,10 @@ _avals_cache: dict = {}
 
 
 def _aval_key(arg):
-    if isinstance(arg, (Deferred, jax.Array)):
-        return (arg.shape, str(arg.dtype), bool(getattr(arg, "weak_type", False)))
+    if arg.__class__ is Deferred:
+        return (arg.shape, arg.dtype, arg.weak_type)
+    if isinstance(arg, jax.Array):
+        return (arg.shape, arg.dtype, arg.weak_type)
     return type(arg)
 
 
