@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from torchtpu.compile import cache, recompiles, routing
+from torchtpu.compile import cache, introspect, recompiles, routing
 
 _installed = False
 
@@ -29,6 +29,9 @@ compiler = SimpleNamespace(
     persistent_cache_dir=cache.persistent_cache_dir,
     recompile_reasons=recompiles.recompile_reasons,
     clear_recompile_reasons=recompiles.clear_recompile_reasons,
+    hlo=introspect.hlo,
+    cost_analysis=introspect.cost_analysis,
+    explain=introspect.explain,
 )
 
 
