@@ -326,3 +326,12 @@ def test_lazy_conjugate_and_negation_bits():
         return lazy.clone(), view * 2, lazy.resolve_conj(), torch._neg_view(c).clone(), out
 
     check(fn, torch.randn(3, 2, dtype=torch.complex64))
+
+
+def test_equal_returns_a_python_bool():
+    a = torch.randn(3)
+    t = a.to("tpu")
+    assert torch.equal(t, t) is True
+    assert torch.equal(t, t + 1) is False and torch.equal(t, t[:2]) is False
+    nan = torch.tensor([float("nan")])
+    assert torch.equal(nan.to("tpu"), nan.to("tpu")) == torch.equal(nan, nan)

@@ -128,7 +128,15 @@ def _local_scalar_dense(self):
     return bridge.concrete(self).item()
 
 
+def equal(self, other) -> bool:
+    """``torch.equal``: a Python bool, so the answer comes back to the host."""
+    if tuple(self.shape) != tuple(other.shape):
+        return False
+    return bool(torch.ops.aten.eq.Tensor(self, other).all().item())
+
+
 KERNELS = {
+    aten.equal.default: equal,
     aten.copy_.default: copy_,
     aten._copy_from.default: _copy_from,
     aten._copy_from_and_resize.default: _copy_from_and_resize,
