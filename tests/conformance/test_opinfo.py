@@ -76,7 +76,8 @@ def check(mode: str, entry: str) -> None:
 
 
 @pytest.mark.parametrize("entry", _params("eager_float32", EAGER))
-def test_eager_float32(entry):
+def test_eager_float32(entry, each_eager_mode):
+    """In both eager modes: DEFER_AND_FUSE must give DEFER_NEVER's results."""
     check("eager_float32", entry)
 
 

@@ -65,6 +65,7 @@ def copy_(self, src, non_blocking=False):
         self.copy_(to_host(src))
         return self
     index = self.device.index or 0
+    to_jax_dtype(self.dtype)
     if src.device.type == "tpu":
         value = bridge.read(src)
         if (src.device.index or 0) != index:
@@ -98,6 +99,8 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     """``.to(device, dtype)`` to or from a tpu tensor: a cast on the device, a move, or a copy."""
     dtype = dtype or self.dtype
     device = torch.device(device) if device is not None else self.device
+    if device.type == "tpu":
+        to_jax_dtype(dtype)  # a clear error for dtypes XLA cannot hold (complex32, float8, ...)
     if self.device.type != "tpu":  # host → tpu (PyTorch routes by the target device)
         index = device.index if device.index is not None else _current_device()
         return bridge.wrap(to_device(self.to(dtype), index), index)
