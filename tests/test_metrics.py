@@ -200,3 +200,28 @@ def test_memory_summary_abbreviated_and_current_device():
         assert "device ID 2" in memory_summary()
     with pytest.raises(ValueError, match="Expected a tpu device"):
         memory_summary("cpu")
+
+
+def test_induced_recompilation_is_counted_with_its_reason():
+    metrics.reset()
+
+    @torch.compile(backend="tpu", dynamic=False)
+    def double(x):
+        return x * 2
+
+    double(torch.ones(4, device="tpu"))
+    double(torch.ones(5, device="tpu"))  # a new shape: the size guard fails, dynamo recompiles
+    snap = metrics.snapshot()
+    reasons = [r for r in snap["recompiles"] if "double" in str(r)]
+    assert reasons, snap["recompiles"]
+    assert any("size mismatch" in r["reason"] and "expected 4, actual 5" in r["reason"] for r in reasons)
+    assert sum(v["compilations"] for v in snap["compiles"].values()) >= 2
+
+
+def test_compiled_function_reads_fused_eager_values():
+    x = torch.randn(8, device="tpu")
+    compiled = torch.compile(lambda t: t.sin() + 1, backend="tpu")
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        y = x * 3  # deferred: the compiled call must run it first
+        out = compiled(y)
+    torch.testing.assert_close(out.cpu(), (x.cpu() * 3).sin() + 1)

@@ -18,6 +18,7 @@ def backend(gm, example_inputs, **kwargs):
     """The ``tpu`` backend (``torch.compile(fn, backend="tpu")``)."""
     from torchtpu.compile.backend import backend as tpu_backend
 
+    recompiles.count_new()
     return tpu_backend(gm, example_inputs, **kwargs)
 
 

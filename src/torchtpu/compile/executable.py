@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 from torchtpu.compile import cache
 from torchtpu.compile.graph import GraphFunction, base_key
 from torchtpu.config import config
+from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform, rng
@@ -129,9 +130,12 @@ class CompiledGraph:
         executable = self.executables.get(signature)
         if executable is not None:
             cache.count("hits")
+            metrics.count_compile(self.name, 0.0, cache_hit=True)
             return executable
         cache.count("misses")
+        start = time.perf_counter()
         executable = _Executable(self, statics, len(signature), donate, arrays, key_args, index)
+        metrics.count_compile(self.name, time.perf_counter() - start, cache_hit=False)
         self.executables[signature] = executable
         return executable
 
@@ -141,7 +145,7 @@ class CompiledGraph:
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 if a.device.type == "tpu":
-                    array = bridge.read(a)
+                    array = bridge.concrete(a)  # runs pending DEFER_AND_FUSE work first
                     owned = i in self.mutated and id(array) not in seen and _donatable(a, array)
                     seen.add(id(array))
                     if owned:

@@ -17,3 +17,24 @@ def clear_recompile_reasons() -> None:
     from torch._dynamo.utils import guard_failures
 
     guard_failures.clear()
+    _counted.clear()
+
+
+_counted: dict = {}  # code object → guard failures already counted in torchtpu.metrics
+
+
+def count_new() -> None:
+    """Count, in ``torchtpu.metrics``, the recompilations dynamo recorded since the last call.
+
+    Called when dynamo hands the backend a graph: a recompilation's failed guard is recorded by
+    then.
+    """
+    from torch._dynamo.utils import guard_failures
+
+    from torchtpu import metrics
+
+    for code, failures in list(guard_failures.items()):
+        seen = _counted.get(code, 0)
+        for reason in failures[seen:]:
+            metrics.count_recompile(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})", str(reason))
+        _counted[code] = len(failures)
