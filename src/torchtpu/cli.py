@@ -180,7 +180,7 @@ def check_eager() -> str:
 
 def check_compile() -> str:
     """``torch.compile(backend="tpu")`` compiles a small function that matches the CPU."""
-    from torchtpu.demo import _traceable, compile_backend  # _traceable: dynamo is told to skip torchtpu
+    from torchtpu.demo import compile_backend
 
     compile_backend(torch.device("tpu"))
     if "tpu" not in torch._dynamo.list_backends():
@@ -188,7 +188,7 @@ def check_compile() -> str:
                       "this torchtpu build has no compile backend; use eager mode")
     x, w = _inputs()
     try:
-        fn = torch.compile(_traceable(_sample_fn), backend="tpu", fullgraph=True)
+        fn = torch.compile(_sample_fn, backend="tpu", fullgraph=True)
         got = fn(x.to("tpu"), w.to("tpu"))
     except Exception as exc:
         raise Problem(f"torch.compile(backend='tpu') failed: {type(exc).__name__}: {_first_line(exc)}",
