@@ -583,3 +583,12 @@ def test_grid_sample(mode, padding_mode, align_corners):
 def test_float_activation_rejects_integers():
     with pytest.raises(RuntimeError, match="not implemented for"):
         F.gelu(torch.tensor([1, 2]).to("tpu"))
+
+
+def test_nll_loss_unbatched_none_reduction_is_0d():
+    x, t = torch.randn(5).log_softmax(0), torch.tensor(2)
+    for reduction in ("none", "mean", "sum"):
+        expected = torch.nn.functional.nll_loss(x, t, reduction=reduction)
+        got = torch.nn.functional.nll_loss(x.to("tpu"), t.to("tpu"), reduction=reduction)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got.cpu(), expected)

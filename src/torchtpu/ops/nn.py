@@ -570,7 +570,8 @@ def embedding_renorm(weight, indices, max_norm, norm_type):
 
 def _nll(x, target, weight, reduction, ignore_index):
     """nll loss with the class dim of ``x`` at 1 (or 0 for an unbatched input)."""
-    if x.ndim == 1:
+    unbatched = x.ndim == 1
+    if unbatched:
         x, target = x[None], target[None]
     logp = jnp.moveaxis(_up(x), 1, -1)
     valid = target != ignore_index
@@ -579,8 +580,8 @@ def _nll(x, target, weight, reduction, ignore_index):
     w = _up(weight)[safe] if weight is not None else jnp.ones_like(picked)
     w = jnp.where(valid, w, 0)
     loss = -picked * w
-    if reduction == 0:
-        return loss.astype(x.dtype), jnp.zeros((), x.dtype)
+    if reduction == 0:  # an unbatched input's per-sample loss is 0-d, as in PyTorch
+        return (loss[0] if unbatched else loss).astype(x.dtype), jnp.zeros((), x.dtype)
     total = jnp.sum(w)
     out = jnp.sum(loss) / total if reduction == 1 else jnp.sum(loss)
     return out.astype(x.dtype), total.astype(x.dtype)
