@@ -4,31 +4,10 @@ sort/topk, searchsorted, unique, bincount/histc, and gradients through them."""
 import pytest
 import torch
 from torch.testing import assert_close
+from tpu_compare import check, to_tpu
 
 pytestmark = [pytest.mark.usefixtures("no_fallback"),
               pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta", "ignore:The reduce argument")]
-
-
-def _to_tpu(a):
-    if isinstance(a, torch.Tensor):
-        return a.to("tpu")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_to_tpu(v) for v in a)
-    return a
-
-
-def _same(tpu, cpu):
-    if isinstance(cpu, (list, tuple)):
-        assert len(tpu) == len(cpu)
-        for t, c in zip(tpu, cpu):
-            _same(t, c)
-        return
-    assert tpu.device.type == "tpu"
-    assert_close(tpu.cpu(), cpu, equal_nan=True)
-
-
-def check(fn, *args):
-    _same(fn(*_to_tpu(args)), fn(*args))
 
 
 def grads_match(fn, x, *rest):
@@ -38,7 +17,7 @@ def grads_match(fn, x, *rest):
     g = torch.randn_like(out)
     out.backward(g)
     tx = x.to("tpu").requires_grad_()
-    tout = fn(tx, *_to_tpu(rest))
+    tout = fn(tx, *to_tpu(rest))
     tout.backward(g.to("tpu"))
     assert_close(tout.detach().cpu(), out.detach())
     assert_close(tx.grad.cpu(), cx.grad)

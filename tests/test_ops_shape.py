@@ -9,32 +9,10 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from torchtpu.ops import shape as shape_ops
+from tpu_compare import check
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("no_fallback")
-
-
-def _to_tpu(a):
-    if isinstance(a, torch.Tensor):
-        return a.to("tpu").requires_grad_(a.requires_grad)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_to_tpu(v) for v in a)
-    return a
-
-
-def _same(tpu, cpu):
-    if isinstance(cpu, (list, tuple)):
-        assert len(tpu) == len(cpu)
-        for t, c in zip(tpu, cpu):
-            _same(t, c)
-        return
-    assert tpu.device.type == "tpu"
-    assert_close(tpu.cpu(), cpu, equal_nan=True)
-
-
-def check(fn, *args):
-    """``fn`` on CPU ``args`` and on their tpu copies give the same values, dtypes and shapes."""
-    _same(fn(*_to_tpu(args)), fn(*args))
 
 
 def noncontig(*shape, dtype=torch.float32):
