@@ -15,12 +15,8 @@ import torchtpu  # noqa: E402,F401
 @pytest.fixture
 def no_fallback():
     """Run a test with the CPU fallback off, so a missing lowering fails loudly."""
-    previous = torch.tpu.is_cpu_fallback_enabled()
-    torch.tpu.enable_cpu_fallback(False)
-    try:
+    with torch.tpu.cpu_fallback_enabled(False):
         yield
-    finally:
-        torch.tpu.enable_cpu_fallback(previous)
 
 
 EAGER_MODES = ["DEFER_NEVER", "DEFER_AND_FUSE"]

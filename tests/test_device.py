@@ -257,3 +257,12 @@ def test_storages_have_sizes_and_distinct_addresses():
     assert a.data_ptr() != b.data_ptr() and a.data_ptr() != 0
     v = b.t()[1:]
     assert v.data_ptr() == b.data_ptr() + 4  # a view points into its base, as on any device
+
+
+def test_cpu_fallback_context_restores_the_setting():
+    assert torch.tpu.is_cpu_fallback_enabled()
+    with torch.tpu.cpu_fallback_enabled(False):
+        assert not torch.tpu.is_cpu_fallback_enabled()
+        with pytest.raises(NotImplementedError):
+            torch.ops.torchtpu_test.scaled_cumsum(torch.randn(3, device="tpu"), 2.0)
+    assert torch.tpu.is_cpu_fallback_enabled()

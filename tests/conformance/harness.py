@@ -283,14 +283,8 @@ def time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-@contextlib.contextmanager
-def no_cpu_fallback() -> Iterator[None]:
-    previous = torch.tpu.is_cpu_fallback_enabled()
-    torch.tpu.enable_cpu_fallback(False)
-    try:
-        yield
-    finally:
-        torch.tpu.enable_cpu_fallback(previous)
+def no_cpu_fallback():
+    return torch.tpu.cpu_fallback_enabled(False)
 
 
 def _fallback_count() -> int:

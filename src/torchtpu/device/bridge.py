@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.ops.dtypes import to_jax_dtype, to_torch_dtype
+from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -156,13 +156,6 @@ def empty_shell(shape, dtype: torch.dtype, index: int = 0, strides=None) -> torc
     return t
 
 
-def shell_on(storage, dtype: torch.dtype, index: int) -> torch.Tensor:
-    """A new tensor on ``tpu:index`` sharing ``storage`` (its geometry is set by the caller)."""
-    t = _shell(dtype, index)
-    restride(t, storage, 0, [0], [1])
-    return t
-
-
 def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
     """Point ``t`` at ``storage`` with the given geometry (no data moves).
 
@@ -279,11 +272,6 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         return
     storage._jax = apply(_scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()),
                                   t.storage_offset(), dtype), array, value)
-
-
-def set_array(t: torch.Tensor, array: jax.Array) -> None:
-    """Replace ``t``'s whole storage by ``array`` (``t`` must own its storage)."""
-    t.untyped_storage()._jax = array
 
 
 @functools.cache

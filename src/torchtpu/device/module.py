@@ -18,6 +18,7 @@ from torchtpu.runtime import platform, rng
 EagerMode = _modes.EagerMode
 enable_cpu_fallback = _fallback.enable_cpu_fallback
 is_cpu_fallback_enabled = _fallback.is_cpu_fallback_enabled
+cpu_fallback_enabled = _fallback.cpu_fallback_enabled
 set_eager_mode = _modes.eager_mode
 
 _local = threading.local()
@@ -358,7 +359,8 @@ class _TpuModule(types.ModuleType):
 
 
 _PUBLIC = [
-    "EagerMode", "enable_cpu_fallback", "is_cpu_fallback_enabled", "set_eager_mode", "is_available",
+    "EagerMode", "enable_cpu_fallback", "is_cpu_fallback_enabled", "cpu_fallback_enabled", "set_eager_mode",
+    "is_available",
     "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "DeviceProperties", "get_device_name",

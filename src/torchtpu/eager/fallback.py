@@ -6,7 +6,9 @@ has no kernel of ours and no composite kernel of PyTorch's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator
 import warnings
 
 import torch
@@ -29,6 +31,17 @@ def enable_cpu_fallback(enabled: bool = True) -> None:
 
 def is_cpu_fallback_enabled() -> bool:
     return config.cpu_fallback
+
+
+@contextlib.contextmanager
+def cpu_fallback_enabled(enabled: bool) -> Iterator[None]:
+    """Turn the CPU fallback on or off for a block, then restore it."""
+    previous = config.cpu_fallback
+    config.cpu_fallback = bool(enabled)
+    try:
+        yield
+    finally:
+        config.cpu_fallback = previous
 
 
 def fallback(op, *args, **kwargs):

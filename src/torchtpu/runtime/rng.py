@@ -18,10 +18,6 @@ from torchtpu.runtime import platform
 _DEFAULT_SEED = 67280421310721  # torch's default CPU seed, for familiarity
 
 
-class _State(threading.local):
-    pass
-
-
 _lock = threading.Lock()
 _seeds: dict[int, int] = {}
 _offsets: dict[int, int] = {}
