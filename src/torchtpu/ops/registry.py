@@ -87,6 +87,7 @@ def load_all() -> dict[OpOverload, Lowering]:
         nn,
         random,
         reductions,
+        sampling,
         shape,
     )
 
