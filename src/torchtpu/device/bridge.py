@@ -229,7 +229,7 @@ def _allocate(t: torch.Tensor, storage) -> jax.Array:
     numel = max(storage.nbytes() // t.element_size(), _extent(t))
     index = t.device.index or 0
     try:
-        array = jnp.zeros((numel,), to_jax_dtype(t.dtype), device=platform.jax_device(index))
+        array = apply(_zeros(numel, to_jax_dtype(t.dtype), index))
     except jax.errors.JaxRuntimeError as exc:
         from torchtpu.runtime import errors
 
@@ -238,6 +238,13 @@ def _allocate(t: torch.Tensor, storage) -> jax.Array:
         raise
     storage._jax = array
     return array
+
+
+@functools.lru_cache(maxsize=1024)
+def _zeros(numel: int, dtype, index: int):
+    # A jitted constant: 20x cheaper than jnp.zeros per call, and recordable by the fused mode.
+    sharding = jax.sharding.SingleDeviceSharding(platform.jax_device(index))
+    return jax.jit(lambda: jnp.zeros((numel,), dtype), out_shardings=sharding)
 
 
 def _extent(t: torch.Tensor) -> int:
