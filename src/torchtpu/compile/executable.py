@@ -30,9 +30,11 @@ from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform, rng
 
 _names = itertools.count()
-# References an array held only by its storage has inside ``_donatable``: the storage's attribute
-# dict, ``_read``'s local, ``_donatable``'s argument and getrefcount's own argument.
-_SOLE_OWNER_REFS = 4
+# References an array held only by its storage has when counted in ``_read``: the storage's
+# attribute dict, ``_read``'s local and getrefcount's own argument. It is counted there, not in a
+# helper: while dynamo's frame hook (PEP 523) is installed, a Python call keeps one more reference
+# to its arguments on the caller's stack, which made every buffer of a fullgraph step look shared.
+_SOLE_OWNER_REFS = 3
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ class CompiledGraph:
             if isinstance(a, torch.Tensor):
                 if a.device.type == "tpu":
                     array = bridge.concrete(a)  # runs pending DEFER_AND_FUSE work first
-                    owned = i in self.mutated and id(array) not in seen and _donatable(a, array)
+                    sole = sys.getrefcount(array) <= _SOLE_OWNER_REFS
+                    owned = sole and i in self.mutated and id(array) not in seen and _donatable(a, array)
                     seen.add(id(array))
                     if owned:
                         donate.append(len(arrays))
@@ -175,10 +178,8 @@ class CompiledGraph:
 
 
 def _donatable(t: torch.Tensor, array) -> bool:
-    """Whether XLA may reuse ``array``'s buffer: ``t`` owns it and nothing else holds it."""
-    if getattr(t.untyped_storage(), bridge.ATTR, None) is not array:
-        return False
-    return bridge._is_owner(t, array) and sys.getrefcount(array) <= _SOLE_OWNER_REFS
+    """Whether XLA may reuse ``array``'s buffer (which nothing but its storage holds): ``t`` owns it."""
+    return getattr(t.untyped_storage(), bridge.ATTR, None) is array and bridge._is_owner(t, array)
 
 
 def _write_back(t: torch.Tensor, value) -> None:
