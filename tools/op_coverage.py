@@ -226,8 +226,9 @@ def render(results: dict, meta: dict) -> str:
         "",
         "Each entry runs PyTorch's OpInfo sample inputs (made on the CPU, seeded) on the CPU and on "
         "`tpu` with the CPU fallback off, and compares the results with `torch.testing.assert_close` "
-        "at the dtype's default tolerance, raised to the OpInfo's own `toleranceOverride` where it "
-        "has one. An entry passes when all its samples pass; `cpu-fallback` means an op ran on the "
+        "at the dtype's default tolerance (for a floating result of an integer or bool sample, the "
+        "result dtype's, as `assert_close` chooses), raised to the OpInfo's own `toleranceOverride` "
+        "where it has one. An entry passes when all its samples pass; `cpu-fallback` means an op ran on the "
         "CPU anyway. Random ops, and entries whose OpInfo skips `test_compare_cpu` as "
         "non-deterministic or undefined, are compared on shape and dtype only. A float result "
         "outside tolerance still passes when it is as close to a float64 CPU run as the float32 "
