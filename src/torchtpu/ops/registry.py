@@ -89,6 +89,7 @@ def load_all() -> dict[OpOverload, Lowering]:
         reductions,
         sampling,
         shape,
+        special,
     )
 
     return LOWERINGS
