@@ -266,3 +266,13 @@ def test_cpu_fallback_context_restores_the_setting():
         with pytest.raises(NotImplementedError):
             torch.ops.torchtpu_test.scaled_cumsum(torch.randn(3, device="tpu"), 2.0)
     assert torch.tpu.is_cpu_fallback_enabled()
+
+
+def test_to_device_copies_the_host_values_at_the_time_of_the_call():
+    # Regression: jax.device_put may read a numpy view of the CPU tensor after it returns (or keep
+    # it, on XLA:CPU), so an in-place change of the source right after .to() leaked into the copy.
+    for n in (3, 1 << 16):
+        src = torch.zeros(n)
+        on_tpu = src.to("tpu")
+        src.add_(1)
+        assert on_tpu.cpu().eq(0).all()

@@ -26,6 +26,7 @@ from torchtpu.compile.graph import GraphFunction, base_key
 from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
+from torchtpu.eager import transfer
 from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform, rng
 
@@ -155,7 +156,7 @@ class CompiledGraph:
                         donate.append(len(arrays))
                     signature.append((array.shape, array.dtype, a.device.index or 0, owned))
                 else:
-                    array = jax.device_put(np.asarray(a.detach().numpy()), platform.jax_device(index))
+                    array = transfer.to_device(a, index)  # a CPU tensor input (e.g. a CPU scalar tensor)
                     signature.append(("cpu", array.shape, array.dtype))
                 arrays.append(array)
             else:

@@ -43,7 +43,10 @@ def to_device(t: torch.Tensor, index: int) -> jax.Array:
     to_jax_dtype(t.dtype)  # a clear error for dtypes XLA cannot hold
     array = host_to_numpy(t)
     metrics.count_transfer("to_device", array.nbytes)
-    return jax.device_put(array, platform.jax_device(index))
+    # A private host copy: the transfer may still be reading the buffer after device_put returns
+    # (and XLA:CPU may keep using it), so a later in-place change of the CPU tensor would show
+    # through the tpu tensor.
+    return jax.device_put(np.array(array, copy=True), platform.jax_device(index))
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
