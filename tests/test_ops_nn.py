@@ -592,3 +592,266 @@ def test_nll_loss_unbatched_none_reduction_is_0d():
         got = torch.nn.functional.nll_loss(x.to("tpu"), t.to("tpu"), reduction=reduction)
         assert got.shape == expected.shape
         torch.testing.assert_close(got.cpu(), expected)
+
+
+# ---------------------------------------------------------------- normalisation and margin-loss edge cases
+
+def test_group_norm_empty_batch():
+    check(lambda x, w, b: F.group_norm(x, 1, w, b), torch.zeros(0, 2), randn(2), randn(2, seed=1))
+    check(lambda x: torch.ops.aten.native_group_norm(x, None, None, 0, 6, 4, 3, 1e-5), torch.zeros(0, 6, 4),
+          grad=False)
+
+
+def test_multi_margin_loss_0d_and_1d_targets():
+    for reduction in ("none", "mean", "sum"):
+        check(lambda x: F.multi_margin_loss(x, torch.tensor(0, device=x.device), reduction=reduction), randn(()))
+        # a 1-element target keeps its shape under reduction="none", as on the CPU
+        check(lambda x: F.multi_margin_loss(x, torch.tensor([3], device=x.device), p=2, reduction=reduction),
+              randn(5))
+
+
+MULTILABEL_TARGETS = torch.tensor([[3, 0, -1, 1], [1, 1, 2, -1], [-1, 2, 0, 1], [0, 1, 2, 3]])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss(reduction):
+    t = MULTILABEL_TARGETS  # labels end at the first -1; a repeated label counts twice, as on the CPU
+    check(lambda x: F.multilabel_margin_loss(x, t.to(x.device), reduction=reduction), randn(4, 4) * 2)
+    check(lambda x: F.multilabel_margin_loss(x, t[1].to(x.device), reduction=reduction), randn(4) * 2)
+    check(lambda x: F.multilabel_margin_loss(x, torch.tensor(0, device=x.device), reduction=reduction), randn(()))
+
+
+def test_multilabel_margin_loss_forward_is_target():
+    x, t = randn(4, 4), MULTILABEL_TARGETS
+    check(lambda x: torch.ops.aten.multilabel_margin_loss_forward(x, t.to(x.device), 0), x, grad=False)
+
+
+def test_multilabel_margin_loss_noncontiguous():
+    x = randn(4, 6)[:, ::2]
+    t = torch.tensor([[2, 0, -1], [1, 1, 2], [-1, 2, 0], [0, 1, 2]])
+    check(lambda x: F.multilabel_margin_loss(x, t.to(x.device)), x)
+
+
+# ---------------------------------------------------------------- attention (the CPU flash kernel's op)
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal_tall", "float_mask", "scale"])
+def test_flash_attention_for_cpu(kind):
+    q = randn(2, 3, 7 if kind == "causal_tall" else 4, 8)
+    k, v = randn(2, 3, 5, 8, seed=1), randn(2, 3, 5, 8, seed=2)
+    mask = None
+    if kind == "float_mask":
+        mask = randn(4, 5, seed=3)
+        mask[1] = -float("inf")  # a fully masked row: zeros out, logsumexp 0, as on the CPU
+
+    def fn(q, k, v):
+        m = mask.to(q.device) if mask is not None else None
+        return FLASH(q, k, v, is_causal=kind == "causal_tall", attn_mask=m, scale=0.3 if kind == "scale" else None)
+
+    check(fn, q, k, v, atol=1e-5, rtol=1e-4)
+
+
+def test_flash_attention_for_cpu_bf16_logsumexp_is_float32():
+    q, k, v = (randn(1, 2, 3, 4, seed=s, dtype=torch.bfloat16) for s in range(3))
+    out, lse = FLASH(q.to("tpu"), k.to("tpu"), v.to("tpu"))
+    cpu_out, cpu_lse = FLASH(q, k, v)
+    assert out.dtype == torch.bfloat16 and lse.dtype == cpu_lse.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), cpu_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------- recurrent layers (fused cells)
+
+def _check_module(module, *inputs, atol=1e-5, rtol=1e-4):
+    """A module on CPU and its copy on tpu: same outputs, input gradients and parameter gradients."""
+    module.zero_grad(set_to_none=True)
+    dev = copy.deepcopy(module).to("tpu")
+    cpu_in = [x.detach().clone().requires_grad_() for x in inputs]
+    tpu_in = [x.detach().to("tpu").requires_grad_() for x in inputs]
+    cpu_out, tpu_out = module(*cpu_in), dev(*tpu_in)
+    flat_cpu, flat_tpu = [], []
+    for c, t in zip(_flat(cpu_out), _flat(tpu_out)):
+        flat_cpu += _flat(c)
+        flat_tpu += _flat(t)
+    loss_cpu = loss_tpu = 0
+    for i, (c, t) in enumerate(zip(flat_cpu, flat_tpu)):
+        torch.testing.assert_close(t.detach().cpu(), c.detach(), atol=atol, rtol=rtol)
+        seed = randn(*c.shape, seed=10 + i)
+        loss_cpu, loss_tpu = loss_cpu + (c * seed).sum(), loss_tpu + (t * seed.to("tpu")).sum()
+    loss_cpu.backward()
+    loss_tpu.backward()
+    for c, t in zip(cpu_in, tpu_in):
+        torch.testing.assert_close(t.grad.cpu(), c.grad, atol=atol, rtol=rtol)
+    for (name, c), t in zip(module.named_parameters(), dev.parameters()):
+        torch.testing.assert_close(t.grad.cpu(), c.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_layers=2, bidirectional=True, batch_first=True),
+                                dict(bias=False), dict(proj_size=3)])
+def test_lstm(kw):
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 5, **kw)
+    x = randn(3, 6, 4)
+    _check_module(lstm, x)
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    h0 = randn(layers, 6 if not kw.get("batch_first") else 3, kw.get("proj_size") or 5, seed=1)
+    c0 = randn(layers, 6 if not kw.get("batch_first") else 3, 5, seed=2)
+    _check_module(_WithState(lstm), x, h0, c0)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_layers=2, bidirectional=True), dict(bias=False)])
+def test_gru(kw):
+    torch.manual_seed(0)
+    _check_module(nn.GRU(4, 5, **kw), randn(3, 6, 4))
+
+
+class _WithState(nn.Module):
+    """An LSTM (cell) taking its (h, c) state as two arguments."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x, h, c):
+        return self.module(x, (h, c))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rnn_cells(bias):
+    torch.manual_seed(0)
+    x, h, c = randn(6, 4), randn(6, 5, seed=1), randn(6, 5, seed=2)
+    _check_module(nn.GRUCell(4, 5, bias=bias), x, h)
+    _check_module(_WithState(nn.LSTMCell(4, 5, bias=bias)), x, h, c)
+    _check_module(nn.GRUCell(4, 5, bias=bias), x[0])  # unbatched, zero initial state
+
+
+def test_lstm_cell_bf16():
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(4, 5).to(torch.bfloat16)
+    dev = copy.deepcopy(cell).to("tpu")
+    x = randn(6, 4, dtype=torch.bfloat16)
+    for c, t in zip(cell(x), dev(x.to("tpu"))):
+        assert t.dtype == torch.bfloat16
+        torch.testing.assert_close(t.cpu(), c, atol=2e-2, rtol=2e-2)
+
+
+class _Output(nn.Module):
+    """One output of a module that returns several."""
+
+    def __init__(self, module, index):
+        super().__init__()
+        self.module, self.index = module, index
+
+    def forward(self, *args):
+        return self.module(*args)[self.index]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_fused_lstm_cell_backward_with_one_grad(index):
+    # autograd passes an undefined grad_hy (or grad_cy) when only the other output is used
+    torch.manual_seed(0)
+    _check_module(_Output(nn.LSTMCell(4, 5), index), randn(6, 4))
+
+
+# ---------------------------------------------------------------- CTC loss
+
+def _ctc_case(concatenated: bool):
+    torch.manual_seed(0)
+    log_probs = torch.randn(12, 4, 6).log_softmax(-1)
+    input_lengths, target_lengths = [12, 10, 3, 0], [5, 0, 4, 2]  # sample 2 cannot align: infinite loss
+    if concatenated:
+        targets = torch.randint(1, 6, (sum(target_lengths),))
+    else:
+        targets = torch.randint(1, 6, (4, 5))
+    return log_probs, targets, input_lengths, target_lengths
+
+
+@pytest.mark.parametrize("concatenated", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_ctc_loss(concatenated, reduction):
+    log_probs, targets, il, tl = _ctc_case(concatenated)
+    check(lambda lp: F.ctc_loss(lp, targets.to(lp.device), il, tl, reduction=reduction, zero_infinity=True),
+          log_probs, atol=1e-5, rtol=1e-4)
+    finite = [0, 1]  # without zero_infinity the impossible alignment gives inf and NaN gradients
+    check(lambda lp: F.ctc_loss(lp[:, finite], targets[finite].to(lp.device) if not concatenated else
+                                targets[:5].to(lp.device), il[:2], tl[:2], reduction=reduction),
+          log_probs, atol=1e-5, rtol=1e-4)
+
+
+def test_ctc_loss_tensor_lengths_and_blank():
+    log_probs, targets, il, tl = _ctc_case(False)
+    targets = torch.where(targets == 5, 0, targets)  # blank=5: labels use 0..4
+    check(lambda lp: F.ctc_loss(lp, targets.to(lp.device), torch.tensor(il, device=lp.device),
+                                torch.tensor(tl, device=lp.device), blank=5, zero_infinity=True),
+          log_probs, atol=1e-5, rtol=1e-4)
+
+
+def test_ctc_loss_log_alpha_and_float64():
+    log_probs, targets, il, tl = _ctc_case(False)
+    for dtype in (torch.float32, torch.float64):
+        lp = log_probs.to(dtype)
+        nll, alpha = torch.ops.aten._ctc_loss(lp, targets, il, tl)
+        nll_t, alpha_t = torch.ops.aten._ctc_loss(lp.to("tpu"), targets.to("tpu"), il, tl)
+        assert nll_t.dtype == alpha_t.dtype == dtype and alpha_t.shape == alpha.shape
+        torch.testing.assert_close(nll_t.cpu(), nll)
+        for b, (n, m) in enumerate(zip(il, tl)):  # the CPU leaves the states past a sample's lengths unset
+            torch.testing.assert_close(alpha_t.cpu()[b, :n, :2 * m + 1], alpha[b, :n, :2 * m + 1])
+
+
+# ---------------------------------------------------------------- rrelu
+
+def test_rrelu_with_noise_functional():
+    x, noise = randn(6, 7), torch.zeros(6, 7)
+    aten = torch.ops.aten
+    out, new_noise = aten.rrelu_with_noise_functional(x.to("tpu"), noise.to("tpu"), 0.1, 0.3, False)
+    torch.testing.assert_close(out.cpu(), aten.rrelu_with_noise(x, noise.clone(), 0.1, 0.3, False))
+    torch.testing.assert_close(new_noise.cpu(), noise)  # eval mode leaves the noise alone
+    out, new_noise = aten.rrelu_with_noise_functional(x.to("tpu"), noise.to("tpu"), 0.1, 0.3, True)
+    out, new_noise = out.cpu(), new_noise.cpu()
+    negative = x <= 0
+    assert torch.all(new_noise[~negative] == 1)
+    assert torch.all((new_noise[negative] >= 0.1) & (new_noise[negative] < 0.3))
+    torch.testing.assert_close(out, x * new_noise)
+
+
+# ---------------------------------------------------------------- ops that write their arguments
+
+@pytest.mark.usefixtures("each_eager_mode")
+@pytest.mark.parametrize("op", ["_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update"])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_writes_running_stats(no_fallback, op, training):
+    if op == "_batch_norm_with_update" and not training:
+        pytest.skip("_batch_norm_with_update always trains")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 3, 5), torch.randn(3), torch.randn(3)
+    stats = [torch.randn(3), torch.rand(3) + 0.5]
+    tpu_stats = [s.to("tpu") for s in stats]
+    args = (training,) if op != "_batch_norm_with_update" else ()
+    expected = getattr(torch.ops.aten, op)(x, w, b, *stats, *args, 0.1, 1e-5)
+    actual = getattr(torch.ops.aten, op)(x.to("tpu"), w.to("tpu"), b.to("tpu"), *tpu_stats, *args, 0.1, 1e-5)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
+    for a, e in zip(tpu_stats, stats):  # the running statistics were updated in place, as on the CPU
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_native_batch_norm_without_running_stats(no_fallback):
+    x = torch.randn(4, 3, 5)
+    expected = torch.ops.aten.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+    actual = torch.ops.aten.native_batch_norm(x.to("tpu"), None, None, None, None, True, 0.1, 1e-5)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("each_eager_mode")
+def test_rrelu_training_writes_its_noise_and_its_gradient_is_the_noise(no_fallback):
+    x = torch.randn(64, device="tpu", requires_grad=True)
+    noise = torch.zeros(64, device="tpu")
+    y = torch.ops.aten.rrelu_with_noise(x, noise, 0.1, 0.3, True)
+    y.sum().backward()
+    n, xc = noise.cpu(), x.detach().cpu()
+    assert ((n >= 0.1) & (n <= 0.3) | (xc > 0)).all() and (n[xc > 0] == 1).all()
+    torch.testing.assert_close(y.detach().cpu(), xc * n)
+    torch.testing.assert_close(x.grad.cpu(), n)

@@ -99,7 +99,8 @@ def view_lowerings() -> dict[OpOverload, Callable]:
 
 
 def has_lowering(op: OpOverload) -> bool:
-    return _graph_lowering(op) is not None or op in view_lowerings() or op in registry.LOWERINGS
+    low = registry.LOWERINGS.get(op)
+    return _graph_lowering(op) is not None or op in view_lowerings() or (low is not None and not low.mutates)
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _resolve(node: Node, random_count: int) -> _Step:
     if fn is not None:
         return _Step(node, fn)
     low = registry.LOWERINGS.get(target)
-    if low is None:
+    if low is None or low.mutates:  # functionalisation removes ops that write their arguments
         raise MissingLowering(str(target))
     if not low.jit:
         raise MissingLowering(f"tpu: {target} has a data-dependent output shape and cannot run in a "

@@ -280,6 +280,26 @@ class InplaceKernel:
         return self_tensor
 
 
+class MutatingKernel:
+    """An op that also writes arguments other than ``self``/``out`` (``Lowering.mutates``): the
+    lowering returns their new values after the op's outputs; they are written back here."""
+
+    def __init__(self, functional: Kernel):
+        self.functional = functional
+        names = functional.lowering.mutates
+        arguments = functional.op._schema.arguments
+        self.targets = [(i, a.name) for i, a in enumerate(arguments) if a.name in names]
+        self.nout = len(functional.op._schema.returns)
+
+    def __call__(self, *args, **kwargs):
+        index, out = self.functional.arrays(args, kwargs)
+        for (position, name), value in zip(self.targets, out[self.nout:]):
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if target is not None:
+                bridge.write(target, value)
+        return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig)
+
+
 class OutKernel:
     """``op.out(..., out=...)``: the functional kernel's results written into the out tensors."""
 

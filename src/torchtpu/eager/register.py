@@ -45,6 +45,9 @@ def kernels() -> dict[OpOverload, object]:
     lowerings = registry.load_all()
     for op, low in lowerings.items():
         kernel = dispatch.Kernel(low)
+        if low.mutates:  # writes its arguments itself: no derived in-place or out= variants
+            KERNELS[op] = dispatch.MutatingKernel(kernel)
+            continue
         if _is_inplace(op):
             KERNELS[op] = dispatch.InplaceKernel(kernel)
             continue

@@ -6,13 +6,15 @@ Low-precision inputs compute in PyTorch's opmath dtype (fp32) and return in thei
 Backward ops whose PyTorch formula is just "the derivative of the forward" are written as
 ``jax.vjp`` of the forward lowering, so the two can never disagree.
 
-Not lowered on purpose: ops that write running statistics into their arguments
-(``native_batch_norm``, ``_native_batch_norm_legit``, ``_batch_norm_with_update``) run through
-PyTorch's decompositions (reductions and elementwise ops, then ``copy_`` into the statistics).
+Ops that also write into arguments other than ``self`` (the batch norms' running statistics,
+``rrelu_with_noise``'s noise) are lowered with ``mutates=``: they return the new values, which
+eager writes back; compiled graphs use their functional forms
+(``_native_batch_norm_legit_functional``, ``rrelu_with_noise_functional``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -111,9 +113,12 @@ ACTIVATIONS = {
 def logit(x, eps=None):
     compute, result = promote(x, kind="INT_TO_FLOAT")
     x = x.astype(opmath(compute))
-    if eps is not None:  # PyTorch's x < lo ? lo : (x > hi ? hi : x), which differs from clip when eps > 0.5
-        lo, hi = jnp.asarray(eps, x.dtype), jnp.asarray(1 - eps, x.dtype)
-        x = jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
+    if eps is not None and eps >= 0:  # a negative or NaN eps means no clamping, as in PyTorch
+        # bounds rounded in the input's dtype as PyTorch's kernel does, then its
+        # x < lo ? lo : (x > hi ? hi : x), which differs from clip when eps > 0.5
+        lo = np.asarray(eps, result)
+        hi = np.asarray(1, result) - lo
+        x = jnp.where(x < lo, lo, jnp.where(x > hi, hi, x)).astype(x.dtype)
     return jnp.log(x / (1 - x)).astype(result)
 
 
@@ -142,9 +147,10 @@ def _elu_grad(g, alpha, scale, input_scale, is_result, y):
 
 def _logit_grad(g, x, eps=None):
     grad = g / (x * (1 - x))
-    if eps is None:
-        return grad
-    return jnp.where((x < eps) | (x > 1 - eps), 0, grad)
+    if eps is None or not eps >= 0:  # unclamped: NaN outside [0, 1], as PyTorch's kernel
+        return jnp.where((x < 0) | (x > 1), jnp.nan, grad)
+    lo = np.asarray(eps, x.dtype)
+    return jnp.where((x < lo) | (x > np.asarray(1, x.dtype) - lo), 0, grad)
 
 
 # backward op → f(grad, *args) in opmath; the output takes grad's dtype
@@ -403,6 +409,28 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
     return y, mean, invstd, new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype)
 
 
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
+@lowering(aten._native_batch_norm_legit.default, mutates=_RUNNING_STATS)
+def batch_norm_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    return batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lowering(aten.native_batch_norm.default, mutates=_RUNNING_STATS)
+def native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if running_mean is None:
+        return (*batch_norm_no_stats(x, weight, bias, training, momentum, eps), None, None)
+    return batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@lowering(aten._batch_norm_with_update.default, mutates=_RUNNING_STATS)
+def batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    y, mean, invstd, new_mean, new_var = batch_norm_functional(x, weight, bias, running_mean, running_var,
+                                                               True, momentum, eps)
+    return y, mean, invstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
+
+
 @lowering(aten._native_batch_norm_legit.no_stats)
 def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
     if not training:
@@ -457,11 +485,11 @@ def native_batch_norm_backward(g, x, weight, running_mean, running_var, save_mea
 
 
 def _group_norm(x, weight, bias, N, C, HxW, group, eps):
-    xf = _up(x).reshape(N, group, -1)
+    xf = _up(x).reshape(N, group, C // group * HxW)  # explicit: -1 cannot be inferred when N == 0
     mean = jnp.mean(xf, axis=-1)
     var = jnp.mean(jnp.square(xf - mean[..., None]), axis=-1)
     rstd = lax.rsqrt(var + eps)
-    y = ((xf - mean[..., None]) * rstd[..., None]).reshape(N, C, -1)
+    y = ((xf - mean[..., None]) * rstd[..., None]).reshape(N, C, HxW)
     if weight is not None:
         y = y * _up(weight)[None, :, None]
     if bias is not None:
@@ -479,12 +507,12 @@ def native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 
 @lowering(aten.native_group_norm_backward.default)
 def native_group_norm_backward(g, x, mean, rstd, weight, N, C, HxW, group, output_mask):
-    gf, xf = _up(g).reshape(N, C, -1), _up(x).reshape(N, group, -1)
-    xhat = ((xf - _up(mean)[..., None]) * _up(rstd)[..., None]).reshape(N, C, -1)
+    gf, xf = _up(g).reshape(N, C, HxW), _up(x).reshape(N, group, C // group * HxW)
+    xhat = ((xf - _up(mean)[..., None]) * _up(rstd)[..., None]).reshape(N, C, HxW)
     gx = gw = gb = None
     if output_mask[0]:
         gxhat = gf * _up(weight)[None, :, None] if weight is not None else gf
-        gxhat, xh = gxhat.reshape(N, group, -1), xhat.reshape(N, group, -1)
+        gxhat, xh = gxhat.reshape(N, group, C // group * HxW), xhat.reshape(N, group, C // group * HxW)
         n = xh.shape[-1]
         a = jnp.mean(gxhat, axis=-1, keepdims=True)
         b = jnp.mean(gxhat * xh, axis=-1, keepdims=True)
@@ -533,6 +561,21 @@ def native_dropout(key, x, p, train):
 @lowering(aten.native_dropout_backward.default)
 def native_dropout_backward(g, mask, scale):
     return (_up(g) * mask * scale).astype(g.dtype)
+
+
+@lowering(aten.rrelu_with_noise.default, random=True, mutates=("noise",))
+@lowering(aten.rrelu_with_noise_functional.default, random=True)
+def rrelu_with_noise_functional(key, x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """(output, new noise): training draws a slope in [lower, upper) for each negative element."""
+    if generator is not None:
+        raise NotImplementedError("tpu: rrelu does not take a torch.Generator; seed the device with "
+                                  "torch.manual_seed instead")
+    xf = _up(x)
+    if not training:
+        return jnp.where(xf >= 0, xf, xf * ((lower + upper) / 2)).astype(x.dtype), noise
+    slopes = jax.random.uniform(key, x.shape, xf.dtype, lower, upper)
+    new_noise = jnp.where(xf <= 0, slopes, 1)
+    return (xf * new_noise).astype(x.dtype), new_noise.astype(noise.dtype)
 
 
 @lowering(aten.embedding.default)
@@ -682,18 +725,21 @@ for (_fwd, _bwd), _fn in LOSSES.items():
 
 
 def _multi_margin(x, target, p, margin, weight, reduction):
-    x2 = _up(x).reshape(-1, x.shape[-1])
-    t = target.reshape(-1)
-    picked = jnp.take_along_axis(x2, t[:, None], axis=1)
     if p not in (1, 2):
         raise ValueError("only p == 1 and p == 2 supported")
+    classes = x.shape[-1] if x.ndim else 1  # a 0-d input is one sample of one class
+    x2 = _up(x).reshape(-1, classes)
+    if target.size != x2.shape[0]:
+        raise RuntimeError(f"inconsistent target size: {list(target.shape)} for input of size: {list(x.shape)}")
+    t = target.reshape(-1)
+    picked = jnp.take_along_axis(x2, t[:, None], axis=1)
     z = jnp.maximum(margin - picked + x2, 0)
     z = z if p == 1 else z * z
     if weight is not None:
         z = z * _up(weight)[t][:, None]
     z = jnp.where(jax.nn.one_hot(t, x2.shape[1], dtype=jnp.bool_), 0, z)
-    loss = jnp.sum(z, axis=1) / x2.shape[1]
-    return _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
+    loss = jnp.sum(z, axis=1) / classes
+    return _reduce(loss.reshape(target.shape), reduction)  # per-sample losses take the target's shape
 
 
 # static Scalars: p picks the formula (and margins are constants of a model)
@@ -706,6 +752,171 @@ def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
 def multi_margin_loss_backward(g, x, target, p, margin, weight=None, reduction=1):
     _, vjp = jax.vjp(lambda a: _multi_margin(a, target, p, margin, weight, reduction), _up(x))
     return vjp(_up(g))[0].astype(x.dtype)
+
+
+def _multilabel_rows(x, target):
+    """``x`` (in opmath) and ``target`` as (samples, classes), and which label slots are used:
+    each row's labels end at its first -1."""
+    classes = x.shape[-1] if x.ndim else 1
+    t2 = target.reshape(-1, classes)
+    return _up(x).reshape(-1, classes), t2, jnp.cumprod(t2 >= 0, axis=-1).astype(jnp.bool_)
+
+
+def _multilabel_margin(x, target, is_target, reduction):
+    """Per-sample sum over labels j and non-labels i of max(0, 1 - x[j] + x[i]), over classes."""
+    x2, t2, used = _multilabel_rows(x, target)
+    picked = jnp.take_along_axis(x2, jnp.where(used, t2, 0), axis=1)  # x[j] per label slot
+    z = 1 - picked[:, :, None] + x2[:, None, :]  # (sample, label slot, class i)
+    keep = used[:, :, None] & (is_target.reshape(x2.shape) == 0)[:, None, :]
+    loss = jnp.sum(jnp.where(keep & (z > 0), z, 0), axis=(1, 2)) / x2.shape[1]
+    return _reduce(loss if x.ndim > 1 else loss.reshape(()), reduction)
+
+
+@lowering(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(x, target, reduction):
+    if target.shape != x.shape:
+        raise RuntimeError(f"inconsistent target size: {list(target.shape)} for input of size: {list(x.shape)}")
+    x2, t2, used = _multilabel_rows(x, target)
+    labels = jax.nn.one_hot(jnp.where(used, t2, 0), x2.shape[1], dtype=jnp.bool_) & used[..., None]
+    is_target = jnp.any(labels, axis=1).reshape(x.shape).astype(x.dtype)
+    return _multilabel_margin(x, target, is_target, reduction).astype(x.dtype), is_target
+
+
+@lowering(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(g, x, target, reduction, is_target):
+    _, vjp = jax.vjp(lambda a: _multilabel_margin(a, target, is_target, reduction), _up(x))
+    return vjp(_up(g))[0].astype(x.dtype)
+
+
+# CTC (Graves et al. 2006), in log space as PyTorch's CPU kernel: alpha runs forward over time with
+# lax.scan, beta (for the gradient) backward. States are the extended label sequence
+# l' = (blank, y1, blank, y2, ..., blank) padded to the longest target; unused states stay -inf.
+
+def _lse3(a, b, c):
+    """log(exp(a) + exp(b) + exp(c)) that is -inf, never NaN, when all three are -inf."""
+    peak = jnp.maximum(jnp.maximum(a, b), c)
+    peak = jnp.where(peak == -jnp.inf, 0, peak)
+    return jnp.log(jnp.exp(a - peak) + jnp.exp(b - peak) + jnp.exp(c - peak)) + peak
+
+
+def _shift(a, k: int, fill=-jnp.inf):
+    """``a`` moved k states right (k > 0) or left (k < 0) along the last axis, filled with ``fill``."""
+    n = a.shape[-1]
+    pad = [(0, 0)] * (a.ndim - 1) + [(k, 0) if k > 0 else (0, -k)]
+    padded = jnp.pad(a, pad, constant_values=fill)
+    return padded[..., :n] if k > 0 else padded[..., -k:]
+
+
+def _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank):
+    """Extended labels (N, L), emission log-probs (T, N, L), used states (N, L), lengths as arrays."""
+    if log_probs.ndim != 3:
+        raise RuntimeError(f"Expected 3-dimensional tensor, but got {log_probs.ndim}-dimensional tensor for "
+                           f"argument #1 'log_probs' (while checking arguments for ctc_loss)")
+    T, N, _ = log_probs.shape
+    if len(input_lengths) != N or len(target_lengths) != N:
+        raise RuntimeError(f"input_lengths and target_lengths must have {N} entries (the batch size)")
+    if any(not 0 <= n <= T for n in input_lengths):
+        raise RuntimeError(f"Expected input_lengths to have value at most {T}, but got {max(input_lengths)}")
+    longest = max(target_lengths, default=0)
+    if targets.ndim == 1:  # the targets of the batch concatenated
+        starts = np.cumsum([0, *target_lengths[:-1]], dtype=np.int64)
+        index = np.minimum(starts[:, None] + np.arange(longest), max(targets.shape[0] - 1, 0))
+        padded = targets[jnp.asarray(index)] if longest else jnp.zeros((N, 0), targets.dtype)
+    else:
+        if longest > targets.shape[1]:
+            raise RuntimeError(f"Expected tensor to have size at least {longest} at dimension 1, but got size "
+                               f"{targets.shape[1]} for argument #2 'targets' (while checking arguments for ctc_loss)")
+        padded = targets[:, :longest]
+    L = 2 * longest + 1
+    labels = jnp.full((N, L), blank, padded.dtype).at[:, 1::2].set(padded).astype(jnp.int32)
+    tl = jnp.asarray(target_lengths, jnp.int32)
+    used = jnp.arange(L)[None] < 2 * tl[:, None] + 1
+    emit = jnp.take_along_axis(_up(log_probs), jnp.broadcast_to(labels[None], (T, N, L)), axis=2)
+    skip = (labels != blank) & (labels != jnp.roll(labels, 2, axis=1)) & (jnp.arange(L) >= 2)[None]
+    return labels, emit, used, skip, jnp.asarray(input_lengths, jnp.int32), tl
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
+    _, emit, used, skip, il, tl = _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank)
+    states = jnp.arange(emit.shape[2])[None]
+    first = jnp.where((states == 0) | ((states == 1) & (tl[:, None] > 0)), emit[0], -jnp.inf)
+    first = jnp.where(used & (il[:, None] > 0), first, -jnp.inf)
+
+    def step(prev, t):
+        alpha = _lse3(prev, _shift(prev, 1), jnp.where(skip, _shift(prev, 2), -jnp.inf)) + emit[t]
+        alpha = jnp.where(used & (t < il[:, None]), alpha, -jnp.inf)
+        return alpha, alpha
+
+    _, rest = lax.scan(step, first, jnp.arange(1, emit.shape[0]))
+    log_alpha = jnp.concatenate([first[None], rest], axis=0)  # (T, N, L)
+    last = jnp.take_along_axis(log_alpha, jnp.maximum(il - 1, 0)[None, :, None], axis=0)[0]
+    end = jnp.take_along_axis(last, (2 * tl)[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(last, jnp.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0]
+    likelihood = jnp.where(tl > 0, _lse3(end, before, -jnp.inf), end)
+    likelihood = jnp.where(il > 0, likelihood, jnp.where(tl > 0, -jnp.inf, 0))
+    dtype = log_probs.dtype
+    return (-likelihood).astype(dtype), jnp.transpose(log_alpha, (1, 0, 2)).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 7, 8))
+def _ctc_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank, zero_infinity):
+    labels, emit, used, skip, il, tl = _ctc_setup(log_probs, targets, input_lengths, target_lengths, blank)
+    states = jnp.arange(emit.shape[2])[None]
+    skip_back = _shift(skip, -2, False)  # state s + 2 may come from s
+
+    def step(nxt, t):
+        start = jnp.where((states == 2 * tl[:, None]) | (states == 2 * tl[:, None] - 1), emit[t], -jnp.inf)
+        beta = _lse3(nxt, _shift(nxt, -1), jnp.where(skip_back, _shift(nxt, -2), -jnp.inf)) + emit[t]
+        last = il[:, None] - 1
+        beta = jnp.where(t == last, start, jnp.where(t < last, beta, -jnp.inf))
+        beta = jnp.where(used, beta, -jnp.inf)
+        return beta, beta
+
+    T, N, C = log_probs.shape
+    init = jnp.full(emit.shape[1:], -jnp.inf, emit.dtype)
+    _, log_beta = lax.scan(step, init, jnp.arange(T), reverse=True)  # (T, N, L)
+    ab = jnp.transpose(_up(log_alpha), (1, 0, 2)) + log_beta
+    peak = jnp.max(ab, axis=2, keepdims=True)
+    peak = jnp.where(peak == -jnp.inf, 0, peak)
+    onehot = jax.nn.one_hot(labels, C, dtype=ab.dtype)  # (N, L, C): sums the states of each class
+    lcab = jnp.log(jnp.einsum("tns,nsc->tnc", jnp.exp(ab - peak), onehot, precision=HIGHEST)) + peak
+    lp, nllf = _up(log_probs), _up(nll)[None, :, None]
+    # PyTorch's gradient: exp(lp) minus the occupation probabilities (it folds log_softmax's Jacobian in)
+    result = (jnp.exp(lp) - jnp.exp(lcab + nllf - lp)) * _up(grad)[None, :, None]
+    keep = jnp.arange(T)[:, None, None] < il[None, :, None]
+    if zero_infinity:
+        keep = keep & (nllf != jnp.inf)
+    return jnp.where(keep, result, 0).astype(log_probs.dtype)
+
+
+def _lengths(a) -> list[int]:
+    return [int(v) for v in np.asarray(a).reshape(-1)]
+
+
+@lowering(aten._ctc_loss.default)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    return _ctc_forward(log_probs, targets, tuple(input_lengths), tuple(target_lengths), blank)
+
+
+# lengths given as tensors decide the shape of log_alpha: read them first
+@lowering(aten._ctc_loss.Tensor, jit=False)
+def ctc_loss_tensor(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    return _ctc_forward(log_probs, targets, tuple(_lengths(input_lengths)), tuple(_lengths(target_lengths)), blank)
+
+
+@lowering(aten._ctc_loss_backward.default)
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank,
+                      zero_infinity=False):
+    return _ctc_backward(grad, log_probs, targets, tuple(input_lengths), tuple(target_lengths), nll, log_alpha,
+                         blank, zero_infinity)
+
+
+@lowering(aten._ctc_loss_backward.Tensor, jit=False)
+def ctc_loss_backward_tensor(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank,
+                             zero_infinity=False):
+    return _ctc_backward(grad, log_probs, targets, tuple(_lengths(input_lengths)), tuple(_lengths(target_lengths)),
+                         nll, log_alpha, blank, zero_infinity)
 
 
 def _bce(x, t, weight):
@@ -728,6 +939,55 @@ def binary_cross_entropy_backward(g, x, target, weight=None, reduction=1):
         grad = grad * _up(weight)
     seed = _reduce_grad(_up(g), x.shape, reduction, max(x.size, 1))
     return (grad * seed).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- attention
+
+def _attention(q, k, v, is_causal, attn_mask, scale):
+    """Softmax attention in opmath: (output, logsumexp over keys); a fully masked row gives zeros."""
+    if q.shape[-1] != k.shape[-1] or k.shape[-1] != v.shape[-1]:
+        raise RuntimeError("scaled_dot_product_attention_flash_attention: Q/K/V should have the same head size")
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
+        k, v = (jnp.repeat(t, q.shape[1] // k.shape[1], axis=1) for t in (k, v))
+    qf, kf, vf = _up(q), _up(k), _up(v)
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("...ld,...sd->...ls", qf, kf, precision=HIGHEST) * scale
+    if is_causal:
+        scores = jnp.where(jnp.tril(jnp.ones(scores.shape[-2:], jnp.bool_)), scores, -jnp.inf)
+    if attn_mask is not None:
+        scores = jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_ \
+            else scores + _up(attn_mask)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    empty = peak == -jnp.inf
+    weights = jnp.exp(scores - jnp.where(empty, 0, peak))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("...ls,...sd->...ld", weights / jnp.where(empty, 1, total), vf, precision=HIGHEST)
+    lse = jnp.where(empty, 0, jnp.log(jnp.where(empty, 1, total)) + peak)[..., 0]
+    return out, lse
+
+
+def _check_flash(q, k, v, dropout_p):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise RuntimeError(f"q, k, v must be a 4 dimensional tensor, got {q.ndim}, {k.ndim}, {v.ndim}")
+    if dropout_p != 0:
+        raise NotImplementedError("tpu: _scaled_dot_product_flash_attention_for_cpu with dropout_p > 0 is not "
+                                  "supported; use scaled_dot_product_attention's math path for dropout")
+
+
+@lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def flash_attention_for_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    _check_flash(q, k, v, dropout_p)
+    out, lse = _attention(q, k, v, is_causal, attn_mask, scale)
+    return out.astype(q.dtype), lse.astype(opmath(q.dtype))
+
+
+@lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def flash_attention_for_cpu_backward(g, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                                     scale=None):
+    _check_flash(q, k, v, dropout_p)
+    _, vjp = jax.vjp(lambda a, b, c: _attention(a, b, c, is_causal, attn_mask, scale)[0], q, k, v)
+    gq, gk, gv = vjp(_up(g))
+    return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype)
 
 
 # ---------------------------------------------------------------- distances

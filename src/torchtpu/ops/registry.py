@@ -18,7 +18,9 @@ Conventions (what a lowering receives and returns):
 - Ops marked ``random=True`` take a ``jax.random`` key as their first argument.
 - It returns what the aten op returns: an array, or a tuple of arrays, with PyTorch's dtypes.
 - It never mutates: in-place (``add_``) and ``out=`` variants are derived from the functional
-  lowering by the executor, which writes the result back.
+  lowering by the executor, which writes the result back. An op that also writes into other
+  arguments (``native_batch_norm``'s running statistics) names them in ``mutates``: the lowering
+  returns their new values after the op's own outputs, and eager writes them back.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Lowering:
     random: bool = False
     static_scalars: bool = False  # Scalar arguments are static (e.g. arange's bounds set its shape)
     jit: bool = True  # False: output shapes depend on values (nonzero); eager runs it unjitted
+    mutates: tuple[str, ...] = ()  # arguments the op writes (besides self/out): new values returned last
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -50,15 +53,18 @@ def _overloads(op) -> list[OpOverload]:
     return [op]
 
 
-def lowering(*ops, random: bool = False, static_scalars: bool = False,
-             jit: bool = True) -> Callable[[Callable], Callable]:
+def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool = True,
+             mutates: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the JAX lowering of each aten overload in ``ops``.
 
     ``random``: ``fn`` takes a ``jax.random`` key first. ``static_scalars``: the op's ``Scalar``
     arguments are passed as static Python numbers (needed when they decide a shape).
     ``jit=False``: the output shape depends on the input values (``nonzero``, ``masked_select``):
     eager calls ``fn`` on concrete arrays, and ``torch.compile`` graphs never contain it
-    (dynamo breaks the graph there).
+    (dynamo breaks the graph there). ``mutates``: argument names the op writes besides ``self``
+    and ``out`` (schemas do not always mark them): ``fn`` returns the op's outputs, then the new
+    value of each named argument (ignored where the argument is None); eager writes them back,
+    and ``torch.compile`` graphs never contain such an op (functionalisation replaces it).
     """
 
     def register(fn: Callable) -> Callable:
@@ -66,7 +72,7 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False,
             for overload in _overloads(op):
                 if overload in LOWERINGS:
                     raise ValueError(f"{overload} already has a lowering ({LOWERINGS[overload].fn.__module__})")
-                LOWERINGS[overload] = Lowering(overload, fn, random, static_scalars, jit)
+                LOWERINGS[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates))
         return fn
 
     return register
@@ -87,6 +93,7 @@ def load_all() -> dict[OpOverload, Lowering]:
         nn,
         random,
         reductions,
+        rnn,
         sampling,
         shape,
         special,
