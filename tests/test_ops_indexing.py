@@ -362,6 +362,41 @@ def test_bincount_histc():
     check(lambda t: torch.histc(t, bins=5, min=0, max=4), torch.tensor([0.0, 1.0, 4.0, 5.0, -1.0]))
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (4, 5), (3, 0, 2)], ids=str)
+@pytest.mark.parametrize("weighted,density", [(False, False), (True, False), (False, True), (True, True)])
+def test_histogram(shape, weighted, density):
+    x = torch.randn(shape) * 3
+    w = torch.rand(shape) if weighted else None
+    check(lambda t, w: torch.histogram(t, 4, weight=w, density=density), x, w)
+    check(lambda t, w: torch.histogram(t, 3, range=(-1.0, 2.0), weight=w, density=density), x, w)
+    check(lambda t, b, w: torch.histogram(t, b, weight=w, density=density), x, torch.tensor([-3.0, -0.5, 0.0, 4.0]), w)
+
+
+def test_histogram_edges_and_errors():
+    check(lambda t: torch.histogram(t, 5), torch.tensor([2.0, 2.0, 2.0]))  # one value: edges widened by 0.5
+    check(lambda t: torch.histogram(t, 4), torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0]))  # values on the edges
+    check(lambda t: torch.histogram(t, 2, range=(0.0, 1.0)), torch.tensor([float("nan"), 0.5, 7.0]))
+    check(lambda t: torch.histogram(t, 3), torch.randn(4, 6).t())  # non-contiguous
+    for bad in (lambda: torch.histogram(torch.arange(4, device="tpu"), 2),
+                lambda: torch.histogram(torch.randn(4, device="tpu"), 0),
+                lambda: torch.histogram(torch.randn(4, device="tpu"), 2, range=(1.0, 0.0))):
+        with pytest.raises(RuntimeError):
+            bad()
+
+
+@pytest.mark.parametrize("shape,bins", [((6, 2), [2, 3]), ((2, 4, 3), [3, 1, 2]), ((5, 0, 2), [2, 2])], ids=str)
+@pytest.mark.parametrize("weighted,density", [(False, False), (True, True)])
+def test_histogramdd(shape, bins, weighted, density):
+    x = torch.randn(shape) * 3
+    w = torch.rand(shape[:-1]) if weighted else None
+    check(lambda t, w: torch.histogramdd(t, bins, weight=w, density=density), x, w)
+    check(lambda t, w: torch.histogramdd(t, bins, range=[-1.0, 1.0] * len(bins), weight=w, density=density), x, w)
+    # edges need not be sorted: the bins are PyTorch's (its CPU kernel bisects them as given)
+    edges = [torch.randn(b + 1) * 3 for b in bins]
+    check(lambda t, e, w: torch.histogramdd(t, e, weight=w, density=density), x, edges, w)
+    check(lambda t, e, w: torch.histogramdd(t, [s.sort().values for s in e], weight=w, density=density), x, edges, w)
+
+
 # ---------------------------------------------------------------- embedding_bag
 
 @pytest.mark.parametrize("mode,padding_idx,scale", [("sum", None, True), ("sum", 2, False), ("mean", 2, True),

@@ -275,3 +275,73 @@ def test_opinfo_samples(name):
     assert samples
     for s in samples:
         check(lambda x, *a: op.op(x, *a, **s.kwargs), s.input, *s.args)
+
+
+# ---------------------------------------------------------------- segment_reduce
+
+SEGMENTS = [  # (data shape, axis, lengths): empty segments, lengths short of the data (unsafe), axis 1
+    ((5,), 0, [0, 1, 2, 2]),
+    ((5,), 0, [2, 0, 3, 0]),
+    ((5, 3), 0, [0, 1, 2, 2]),
+    ((10, 2, 3), 0, [1, 2, 0, 6, 0]),
+    ((3, 5), 1, [[2, 0, 3, 0], [0, 1, 2, 2], [3, 0, 2, 0]]),
+    ((3, 5, 2), 1, [[2, 0, 3, 0], [0, 1, 2, 2], [1, 1, 1, 2]]),
+]
+
+
+def _segment_kwargs(axis, lengths, by_offsets):
+    lengths = torch.tensor(lengths)
+    if not by_offsets:
+        return {"lengths": lengths}
+    zeros = lengths.new_zeros(lengths.shape[:-1] + (1,))
+    return {"offsets": torch.cat((zeros, lengths), -1).cumsum(-1)}
+
+
+@pytest.mark.parametrize("initial", [None, 2.0])
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("case", range(len(SEGMENTS)))
+def test_segment_reduce_and_grad(case, reduce, initial):
+    shape, axis, lengths = SEGMENTS[case]
+    by_offsets = case % 2 == 1  # both ways of giving the segments, over the cases
+    kwargs = dict(_segment_kwargs(axis, lengths, by_offsets), axis=axis, unsafe=True, initial=initial)
+    x = make(shape, torch.float64, seed=case)
+    x.view(-1)[::4] = 0.0  # zeros: prod's gradient takes its exclusive-product path
+    results = []
+    for device in ("cpu", "tpu"):
+        leaf = x.detach().to(device).requires_grad_()
+        out = torch.segment_reduce(leaf, reduce, **{k: tpu(v) if device == "tpu" else v for k, v in kwargs.items()})
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=x.dtype).reshape(out.shape).to(device))
+        results.append((out.detach().cpu(), leaf.grad.cpu()))
+    torch.testing.assert_close(results[1], results[0], equal_nan=True)
+
+
+def test_segment_reduce_max_ties_and_nan():
+    x = torch.tensor([3.0, 3.0, 1.0, float("nan"), 2.0, -1.0, -1.0])
+    lengths = torch.tensor([3, 2, 2])
+    for reduce in ("max", "min"):
+        check(lambda t, n: torch.segment_reduce(t, reduce, lengths=n), x, lengths)
+        results = []
+        for device in ("cpu", "tpu"):
+            leaf = x.detach().to(device).requires_grad_()
+            torch.segment_reduce(leaf, reduce, lengths=tpu(lengths) if device == "tpu" else lengths).backward(
+                torch.tensor([1.0, 2.0, -3.0]).to(device))
+            results.append(leaf.grad.cpu())
+        torch.testing.assert_close(results[1], results[0], equal_nan=True)
+
+
+def test_segment_reduce_half_precision_and_errors():
+    x = make((6, 2), torch.bfloat16)
+    check(lambda t, n: torch.segment_reduce(t, "mean", lengths=n), x, torch.tensor([2, 0, 4]), dtype=torch.bfloat16)
+    raises_like(lambda t, n: torch.segment_reduce(t, "median", lengths=n), x, torch.tensor([2, 4]))
+
+
+# ---------------------------------------------------------------- hash_tensor
+
+@pytest.mark.parametrize("dtype", ALL + [torch.int8, torch.uint8], ids=str)
+def test_hash_tensor(dtype):
+    x = make((3, 4), dtype, low=-100, high=100)
+    for kwargs in ({}, {"dim": 0}, {"dim": [1], "keepdim": True}, {"dim": (0, 1)}):
+        check(lambda t: torch.hash_tensor(t, **kwargs), x)
+    check(torch.hash_tensor, make((), dtype))
+    check(lambda t: torch.hash_tensor(t, dim=1), make((0, 3), dtype))
+    raises_like(torch.hash_tensor, make((0, 3), dtype))

@@ -1,4 +1,4 @@
-"""Indexing ops: advanced indexing, gather/scatter, masks, sorting and searching, unique.
+"""Indexing ops: advanced indexing, gather/scatter, masks, sorting and searching, histograms, unique.
 
 Out-of-range indices follow XLA, not PyTorch: gathers clamp them into range and scatters drop
 them, where PyTorch raises "index X is out of bounds". Checking would cost a device→host sync
@@ -18,6 +18,7 @@ Sorting is stable everywhere; where PyTorch leaves the order of equal elements u
 
 from __future__ import annotations
 
+import builtins
 import functools
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torchtpu.ops.dtypes import is_float, is_integral
+from torchtpu.ops.dtypes import is_float, is_integral, opmath
 from torchtpu.ops.registry import aten, lowering
 
 
@@ -479,6 +480,160 @@ def histc(x, bins=100, min=0, max=0):
     bin_of = jnp.where(x == hi, bins - 1, bin_of)
     valid = (x >= lo) & (x <= hi)
     return jnp.zeros((bins,), x.dtype).at[jnp.where(valid, bin_of, bins)].add(1, mode="drop")
+
+
+# ---------------------------------------------------------------- histogram / histogramdd
+# PyTorch's CPU algorithm: an element goes to bin ``upper_bound(edges, x) - 1`` (the last bin keeps
+# its right edge), elements outside [edges[0], edges[-1]] (and NaN) are dropped. Edges inferred from
+# the data are not checked for being finite (that would need a host sync): NaN/inf data gives NaN edges.
+
+def _points(x, name: str = "histogramdd"):
+    """``x`` as (M, N) points; floating dtypes only, as on PyTorch's CPU."""
+    if not is_float(x.dtype):
+        raise RuntimeError(f"torch.{name}: input dtype {np.dtype(x.dtype).name} is not supported; "
+                           "use a floating point tensor")
+    if x.ndim < 2:
+        raise RuntimeError(f"torch.histogramdd: input tensor should have at least 2 dimensions, but got {x.ndim}")
+    return x.reshape(-1, x.shape[-1])
+
+
+def _outer_edges(points, range_):
+    """Per-dim (leftmost, rightmost) edges in float64: ``range``, else the data's extremes (numpy's
+    [0, 1] for no data), widened by 0.5 each side where they meet."""
+    n = points.shape[1]
+    if range_ is not None:
+        if len(range_) != 2 * n:
+            raise RuntimeError(f"torch.histogramdd: for a {n}-dimensional histogram range should have "
+                               f"{2 * n} elements, but got {len(range_)}")
+        for d in builtins.range(n):
+            lo, hi = range_[2 * d], range_[2 * d + 1]
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise RuntimeError(f"torch.histogramdd: dimension {d}'s range [{lo}, {hi}] is not finite")
+            if lo > hi:
+                raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {lo} max {hi} "
+                                   f"for dimension {d}")
+        lo, hi = jnp.asarray(range_[0::2], jnp.float64), jnp.asarray(range_[1::2], jnp.float64)
+    elif points.shape[0]:
+        lo, hi = jnp.min(points, axis=0).astype(jnp.float64), jnp.max(points, axis=0).astype(jnp.float64)
+    else:
+        lo, hi = jnp.zeros((n,), jnp.float64), jnp.ones((n,), jnp.float64)
+    same = lo == hi
+    return jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+
+
+def _linspace_rows(start, end, counts: list, dtype):
+    """Row d: torch.linspace(start[d], end[d], counts[d] + 1) by the CPU's formula (the first half
+    counts up from start, the rest down from end), padded with +inf to the longest row."""
+    steps = jnp.asarray(counts, jnp.int64)[:, None] + 1
+    start, end = start.astype(dtype)[:, None], end.astype(dtype)[:, None]
+    step = (end - start) / (steps - 1).astype(dtype)
+    i = jnp.arange(max(counts) + 1)[None, :]
+    up = start + step * i.astype(dtype)
+    down = end - step * (steps - 1 - i).astype(dtype)
+    return jnp.where(i < steps, jnp.where(i < steps // 2, up, down), jnp.inf).astype(dtype)
+
+
+def _bin_edges(points, bins, range_):
+    """Equal-width edges for ``bins`` (bin counts per dim) as PyTorch builds them: (N, max + 1)."""
+    n = points.shape[1]
+    if len(bins) != n:
+        raise RuntimeError("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
+    for d, count in enumerate(bins):
+        if count <= 0:
+            raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {count} for dimension {d}")
+    if n == 0:
+        return jnp.zeros((0, 1), points.dtype)
+    return _linspace_rows(*_outer_edges(points, range_), list(bins), points.dtype)
+
+
+def _stack_edges(points, bins: list):
+    """Bin edge tensors (one per dim) as one (N, max length) array padded with +inf."""
+    for d, e in enumerate(bins):
+        if e.dtype != points.dtype or e.ndim != 1 or e.shape[0] == 0:
+            raise RuntimeError(f"torch.histogramdd: bins for dimension {d} should be a non-empty 1-d tensor "
+                               f"of the input's dtype")
+    longest = max((e.shape[0] for e in bins), default=1)
+    return jnp.stack([jnp.pad(e, (0, longest - e.shape[0]), constant_values=jnp.inf) for e in bins]
+                     or [jnp.zeros((1,), points.dtype)])
+
+
+def _upper_bound(edges, lengths, x):
+    """``std::upper_bound(edges[d][:lengths[d]], x[:, d])``, bisecting exactly as libstdc++ does, so
+    edges that are not sorted give the bins PyTorch's CPU gives. edges: (N, L), x: (M, N)."""
+    first = jnp.zeros(x.shape, jnp.int64)
+    length = jnp.broadcast_to(jnp.asarray(lengths, jnp.int64), x.shape)
+    for _ in builtins.range(max(lengths).bit_length()):
+        half = length // 2
+        middle = first + half
+        probe = jnp.take_along_axis(edges.T, jnp.minimum(middle, edges.shape[1] - 1), axis=0)
+        right = (length > 0) & ~(x < probe)
+        first = jnp.where(right, middle + 1, first)
+        length = jnp.where(right, length - half - 1, half)
+    return first
+
+
+def _histogramdd(points, edges, counts: list, weight, density: bool, linear: bool):
+    """The histogram of (M, N) ``points`` over the (N, L) padded ``edges``, ``counts[d]`` bins in dim d.
+    ``linear``: the edges are sorted (made by linspace), so a bin is found by counting edges.
+    (One vectorised pass over all dims: each XLA kernel costs compile time, paid per shape.)"""
+    m, n = points.shape
+    if weight is not None and (weight.dtype != points.dtype or weight.size != m):
+        raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the input's dtype "
+                           "and its shape excluding its innermost dimension")
+    size = int(np.prod(counts, dtype=np.int64))
+    if n == 0:  # no dimensions: nothing is counted
+        hist = jnp.zeros((), points.dtype)
+        return hist / hist if density else hist
+    first, last = edges[:, 0], edges[np.arange(n), np.asarray(counts)]
+    keep = jnp.all((points >= first) & (points <= last), axis=1)
+    if linear:
+        upper = jnp.sum(edges[None, :, :] <= points[:, :, None], axis=2)
+    else:
+        upper = _upper_bound(edges, [c + 1 for c in counts], points)
+    pos = jnp.minimum(upper - 1, jnp.asarray(counts) - 1)  # the last bin keeps its right edge
+    strides = np.cumprod([1] + list(counts[:0:-1]))[::-1].astype(np.int64)
+    flat = jnp.where(keep, jnp.sum(pos * strides, axis=1), size)
+    w = jnp.ones((m,), points.dtype) if weight is None else weight.reshape(m)
+    hist = jnp.zeros((size,), points.dtype).at[flat].add(w, mode="drop").reshape(counts)
+    if density:
+        hist = hist / jnp.sum(hist, dtype=opmath(hist.dtype)).astype(hist.dtype)
+        widths = jnp.diff(edges, axis=1)
+        for d, count in enumerate(counts):
+            hist = hist / widths[d, :count].reshape([count if k == d else 1 for k in builtins.range(n)])
+    return hist
+
+
+@lowering(aten.histogram.bin_ct)
+def histogram(x, bins=100, *, range=None, weight=None, density=False):
+    points = _points(x.reshape(-1, 1), "histogram")
+    edges = _bin_edges(points, [bins], range)
+    return _histogramdd(points, edges, [bins], weight, density, linear=True), edges[0]
+
+
+@lowering(aten.histogram.bins_tensor)
+def histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    points = _points(x.reshape(-1, 1), "histogram")
+    edges = _stack_edges(points, [bins])
+    return _histogramdd(points, edges, [bins.shape[0] - 1], weight, density, linear=False), bins
+
+
+@lowering(aten._histogramdd_bin_edges.default)
+def histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    edges = _bin_edges(_points(x), bins, range)
+    return [edges[d, :count + 1] for d, count in enumerate(bins)]
+
+
+@lowering(aten._histogramdd_from_bin_cts.default)
+def histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    points = _points(x)
+    return _histogramdd(points, _bin_edges(points, bins, range), list(bins), weight, density, linear=True)
+
+
+@lowering(aten._histogramdd_from_bin_tensors.default)
+def histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    points = _points(x)
+    counts = [e.shape[0] - 1 for e in bins]
+    return _histogramdd(points, _stack_edges(points, bins), counts, weight, density, linear=False)
 
 
 # ---------------------------------------------------------------- unique

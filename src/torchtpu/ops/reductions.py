@@ -1,10 +1,11 @@
 """Reductions and scans: sum/mean/prod/amax/..., var/std, norms, arg- and sort-based reductions,
-cumulative ops. Dtypes follow PyTorch: integers and bools sum to int64, float16/bfloat16
-accumulate in float32 (``opmath``), ``dim=None`` (and ``dim=[]`` where PyTorch says so) reduce
-every dimension, and a 0-d tensor accepts ``dim`` 0 and -1."""
+cumulative ops, segment_reduce, hash_tensor. Dtypes follow PyTorch: integers and bools sum to
+int64, float16/bfloat16 accumulate in float32 (``opmath``), ``dim=None`` (and ``dim=[]`` where
+PyTorch says so) reduce every dimension, and a 0-d tensor accepts ``dim`` 0 and -1."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -501,3 +502,139 @@ def _top(dtype):
     if dtype == _BOOL:
         return jnp.asarray(True)
     return jnp.asarray(jnp.iinfo(dtype).max, dtype)
+
+
+# ---------------------------------------------------------------- segment_reduce
+
+# per reduction: the segment op, how ``initial`` joins a segment's result, and the default initial
+_SEGMENT = {
+    "sum": (jax.ops.segment_sum, jnp.add, 0.0),
+    "mean": (jax.ops.segment_sum, jnp.add, 0.0),
+    "prod": (jax.ops.segment_prod, jnp.multiply, 1.0),
+    "max": (jax.ops.segment_max, jnp.maximum, -jnp.inf),
+    "min": (jax.ops.segment_min, jnp.minimum, jnp.inf),
+}
+
+
+class _Segments:
+    """Where each row of ``data`` along ``axis`` goes: data as (outer, n, inner) rows, the segment
+    of each row (``count`` for rows in no segment) numbered across the outer blocks, lengths."""
+
+    def __init__(self, data, axis: int, lengths, offsets):
+        shape = data.shape
+        self.outer, n = int(np.prod(shape[:axis], dtype=np.int64)), shape[axis]
+        self.rows = data.reshape(self.outer * n, int(np.prod(shape[axis + 1:], dtype=np.int64)))
+        if offsets is not None:
+            bounds = offsets.reshape(self.outer, -1)
+            starts, ends = bounds[:, :-1], bounds[:, 1:]
+        else:
+            ends = jnp.cumsum(lengths.reshape(self.outer, -1), axis=1)
+            starts = ends - lengths.reshape(self.outer, -1)
+        self.count = count = ends.shape[1]
+        self.out_shape = shape[:axis] + (count,) + shape[axis + 1:]
+        self.lengths = (ends - starts).reshape(-1)
+        position = jnp.arange(n)
+        seg = jax.vmap(lambda e: jnp.searchsorted(e, position, side="right"))(ends)
+        start = jnp.take_along_axis(starts, jnp.minimum(seg, count - 1), axis=1)
+        seg = jnp.where((seg < count) & (position >= start), seg, count)
+        self.ids = (seg + jnp.arange(self.outer)[:, None] * (count + 1)).reshape(-1)
+        self.valid = (seg < count).reshape(-1, 1)
+
+    def reduce(self, fn, values):
+        """``fn`` (a jax.ops.segment_*) of ``values`` (rows) per segment: (outer * count, inner)."""
+        out = fn(values, self.ids, num_segments=self.outer * (self.count + 1))
+        return out.reshape(self.outer, self.count + 1, -1)[:, :self.count].reshape(self.outer * self.count, -1)
+
+    def spread(self, per_segment):
+        """Each row's segment's value of ``per_segment`` (outer * count, inner); 0 for rows in none."""
+        padded = jnp.pad(per_segment.reshape(self.outer, self.count, -1), ((0, 0), (0, 1), (0, 0)))
+        return padded.reshape(self.outer * (self.count + 1), -1)[self.ids]
+
+
+def _segment_args(data, reduce: str, lengths, offsets, axis: int) -> _Segments:
+    if reduce not in _SEGMENT:
+        raise RuntimeError(f"unsupported reduction given! {reduce}")
+    if lengths is None and offsets is None:
+        raise RuntimeError("segment_reduce(): Either lengths or offsets must be defined")
+    if not is_float(data.dtype):
+        raise RuntimeError(f"\"segment_reduce\" not implemented for '{_torch_name(data.dtype)}'")
+    return _Segments(data, wrap_dim(axis, data.ndim), lengths, offsets)
+
+
+@lowering(aten.segment_reduce.default)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                   initial=None):
+    """PyTorch's CPU kernel: ``initial`` joins every segment; an empty mean is NaN unless ``initial``
+    is given. Lengths are not checked against the data (``unsafe``), which would need a host sync."""
+    if indices is not None:
+        raise RuntimeError("segment_reduce(): indices based reduction is not supported yet.")
+    if data.size == 0:
+        raise RuntimeError("segment_reduce(): Expected data to be non-empty")
+    seg = _segment_args(data, reduce, lengths, offsets, axis)
+    fn, combine, default = _SEGMENT[reduce]
+    rows = seg.rows.astype(opmath(data.dtype))
+    start = default if initial is None else initial
+    out = combine(jnp.asarray(start, rows.dtype), seg.reduce(fn, rows))
+    if reduce in ("max", "min"):  # NaN wins, as in PyTorch (XLA's scatter max/min may drop it)
+        out = jnp.where(seg.reduce(jax.ops.segment_max, jnp.isnan(rows)), jnp.nan, out)
+    if reduce == "mean":
+        n = seg.lengths.reshape(-1, 1).astype(rows.dtype)
+        empty = out if initial is not None else jnp.full_like(out, jnp.nan)
+        out = jnp.where(n > 0, out / jnp.maximum(n, 1), empty)
+    return out.reshape(seg.out_shape).astype(data.dtype)
+
+
+@lowering(aten._segment_reduce_backward.default)
+def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    """The gradient PyTorch's CPU kernel computes, ties in max/min included (see below)."""
+    seg = _segment_args(data, reduce, lengths, offsets, axis)
+    acc = opmath(data.dtype)
+    x = seg.rows.astype(acc)
+    g = seg.spread(grad.astype(acc).reshape(seg.outer * seg.count, -1))
+    out = seg.spread(output.astype(acc).reshape(seg.outer * seg.count, -1))
+    if reduce == "sum":
+        result = g
+    elif reduce == "mean":
+        result = g / jnp.maximum(seg.spread(seg.lengths.reshape(-1, 1)), 1).astype(acc)
+    elif reduce in ("max", "min"):
+        hit = jnp.isnan(x) | (x == out)
+        ties = seg.spread(seg.reduce(jax.ops.segment_sum, hit.astype(acc)))
+        result = jnp.where(hit, g, 0)
+        # PyTorch shares a tied extreme's gradient only where it is positive (its kernel's test)
+        result = jnp.where((ties >= 2) & (result > 0), result / ties, result)
+    else:
+        result = _prod_backward(seg, x, g, out, 1.0 if initial is None else initial)
+    return jnp.where(seg.valid, result, 0).reshape(data.shape).astype(grad.dtype)
+
+
+def _prod_backward(seg: _Segments, x, g, out, initial):
+    """d prod / d x: out / x, or the product of the others where x is 0 or NaN."""
+    nan, zero = jnp.isnan(x), x == 0
+    special = nan | zero
+    others = jnp.asarray(initial, x.dtype) * seg.reduce(jax.ops.segment_prod, jnp.where(special, 1, x))
+    count = lambda m: seg.spread(seg.reduce(jax.ops.segment_sum, m.astype(x.dtype)))  # noqa: E731
+    other_nan, other_zero = count(nan) - nan, count(zero) - zero
+    factor = jnp.where(other_nan > 0, jnp.nan, jnp.where(other_zero > 0, 0.0, 1.0)).astype(x.dtype)
+    exclusive = seg.spread(others) * factor
+    return jnp.where(special, g * exclusive, g * out / jnp.where(special, 1, x))
+
+
+# ---------------------------------------------------------------- hash_tensor
+
+@lowering(aten.hash_tensor.default)
+def hash_tensor(x, dim=(), *, keepdim=False, mode=0):
+    """PyTorch's mode 0: the XOR of the elements' 64-bit patterns (floats as float64 bits, integers
+    sign-extended to 64 bits), as uint64."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: only mode=0 (xor_sum) is supported, got mode={mode}")
+    if is_complex(x.dtype):
+        raise RuntimeError("hash_tensor: complex tensors are not supported")
+    axes = reduction_axes(x, dim)
+    _check_nonempty("hash_tensor", x, axes, full=not dim)
+    if is_float(x.dtype):
+        bits = lax.bitcast_convert_type(x.astype(jnp.float64), jnp.uint64)
+    elif jnp.issubdtype(x.dtype, jnp.signedinteger):
+        bits = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.uint64)
+    else:
+        bits = x.astype(jnp.uint64)
+    return jnp.bitwise_xor.reduce(bits, axis=axes, keepdims=keepdim)
