@@ -223,3 +223,171 @@ def test_cholesky_info_batched():
                    "of A otherwise; a lowering cannot see contiguity, so ours always factors A^T")
 def test_det_grad_noncontiguous():
     check(lambda A: torch.linalg.det(A.mT), randn(4, 4, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- empty batches
+
+def test_cholesky_empty():
+    check(torch.linalg.cholesky, torch.zeros(0, 3, 3, dtype=torch.float64), grad=False)
+    check(lambda A: torch.linalg.cholesky_ex(A, upper=True), torch.zeros(2, 0, 0), grad=False)
+
+
+def test_lu_solve_empty():
+    for n, batch in ((0, ()), (0, (2,)), (3, (0,))):
+        LU, piv = torch.zeros(*batch, n, n), torch.zeros(*batch, n, dtype=torch.int32)
+        check(lambda LU, piv, B: torch.linalg.lu_solve(LU, piv, B), LU, piv, torch.zeros(*batch, n, 4), grad=False)
+
+
+# ---------------------------------------------------------------- LAPACK-form factorisations
+
+def crandn(*shape, seed=0, dtype=torch.complex128):
+    g = torch.Generator().manual_seed(seed)
+    return torch.complex(torch.randn(*shape, generator=g, dtype=torch.float64),
+                         torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5), (2, 4, 4), (0, 3, 2), (4, 0)])
+def test_geqrf_exact_lapack_form(shape, dtype):
+    A = crandn(*shape, dtype=dtype) if dtype.is_complex else randn(*shape, dtype=dtype)
+    check(torch.geqrf, A, grad=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_householder_product_and_ormqr(dtype):
+    A = crandn(2, 5, 3, dtype=dtype) if dtype.is_complex else randn(2, 5, 3, dtype=dtype)
+    a, tau = torch.geqrf(A)
+    check(torch.linalg.householder_product, a, tau, grad=not dtype.is_complex)
+    check(torch.linalg.householder_product, a[..., :2], tau[..., :1], grad=False)  # k < n
+    check(torch.linalg.householder_product, a, tau[..., :0], grad=False)  # no reflectors
+    C = randn(2, 5, 4, dtype=torch.float64, seed=1).to(dtype)
+    for left in (True, False):
+        for transpose in (True, False):
+            other = C if left else C.mT
+            check(lambda a, tau, c: torch.ormqr(a, tau, c, left=left, transpose=transpose), a, tau, other,
+                  grad=False)
+
+
+def test_householder_product_errors():
+    with pytest.raises(RuntimeError, match="greater than or equal"):
+        torch.linalg.householder_product(torch.randn(3, 5).to("tpu"), torch.randn(3).to("tpu"))
+
+
+def _lu_factors(*shape):
+    LU, piv = torch.linalg.lu_factor(randn(*shape, dtype=torch.float64))
+    return LU, piv
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (6, 4), (3, 5), (2, 3, 3), (0, 4, 3)])
+def test_lu_unpack(shape):
+    LU, piv = _lu_factors(*shape)
+    check(torch.lu_unpack, LU, piv, grad=False)
+    check(lambda LU, piv: torch.lu_unpack(LU, piv, unpack_data=False), LU, piv, grad=False)
+    check(lambda LU, piv: torch.lu_unpack(LU, piv, unpack_pivots=False), LU, piv, grad=False)
+
+
+def test_lu_unpack_grad():
+    LU, piv = _lu_factors(2, 4, 4)
+    check(lambda LU: torch.lu_unpack(LU, piv.to(LU.device))[1:], LU)
+
+
+def _indefinite(n, batch=(), seed=0):
+    """Symmetric with a small diagonal: Bunch-Kaufman takes 2x2 pivots and interchanges."""
+    a = randn(*batch, n, n, dtype=torch.float64, seed=seed)
+    return a + a.mT - 1.9 * torch.diag_embed(torch.diagonal(a + a.mT, dim1=-2, dim2=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ldl_factor_pivots_match_lapack(dtype):
+    A = _indefinite(6, (4,)).to(dtype)
+    LD, piv, info = torch.linalg.ldl_factor_ex(A)
+    assert (piv < 0).any()  # the samples exercise 2x2 blocks
+    check(torch.linalg.ldl_factor_ex, A, grad=False)
+    check(torch.linalg.ldl_factor, torch.tensor([[1.0, 5.0, 2.0], [5.0, 1.0, 3.0], [2.0, 3.0, 0.0]]), grad=False)
+    check(torch.linalg.ldl_factor, spd(5, (2,)), grad=False)
+
+
+def test_ldl_factor_complex():
+    C = crandn(3, 5, 5)
+    C = C - 1.9 * torch.diag_embed(torch.diagonal(C, dim1=-2, dim2=-1))
+    check(lambda A: torch.linalg.ldl_factor_ex(A, hermitian=True), C + C.mH, grad=False)
+    check(lambda A: torch.linalg.ldl_factor_ex(A, hermitian=False), C + C.mT, grad=False)
+
+
+def test_ldl_factor_singular_and_empty():
+    check(torch.linalg.ldl_factor_ex, torch.zeros(2, 2), grad=False)  # info = 1, as LAPACK
+    check(torch.linalg.ldl_factor_ex, torch.zeros(0, 0), grad=False)
+    check(torch.linalg.ldl_factor_ex, torch.zeros(0, 2, 2), grad=False)
+
+
+@pytest.mark.parametrize("hermitian,dtype", [(False, torch.float64), (False, torch.float32),
+                                             (True, torch.complex128), (False, torch.complex128)])
+def test_ldl_solve(hermitian, dtype):
+    if dtype.is_complex:
+        C = crandn(3, 6, 6, dtype=dtype)
+        C = C - 1.9 * torch.diag_embed(torch.diagonal(C, dim1=-2, dim2=-1))
+        A = C + (C.mH if hermitian else C.mT)
+    else:
+        A = _indefinite(6, (3,)).to(dtype)
+    LD, piv, _ = torch.linalg.ldl_factor_ex(A, hermitian=hermitian)
+    B = randn(3, 6, 2, dtype=torch.float64, seed=1).to(dtype)
+    solve = lambda LD, piv, B: torch.linalg.ldl_solve(LD, piv, B, hermitian=hermitian)  # noqa: E731
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}
+    check(solve, LD, piv, B, grad=False, **tol)
+    check(solve, LD, piv, B[0], grad=False, **tol)  # B's batch broadcasts
+    check(solve, torch.zeros(0, 2, 2, dtype=dtype), torch.zeros(0, 2, dtype=torch.int32),
+          torch.zeros(2, 5, dtype=dtype), grad=False)
+
+
+# ---------------------------------------------------------------- eig, sqrth, polar, lstsq
+
+def test_eig():
+    A = randn(2, 5, 5, dtype=torch.float64)
+    # eigenvectors are unique up to a phase: compare magnitudes, as PyTorch's own tests do
+    check(lambda A: (lambda w, v: (w, v.abs()))(*torch.linalg.eig(A)), A, grad=False)
+    check(torch.linalg.eigvals, randn(4, 4), grad=False)
+    check(torch.linalg.eigvals, crandn(3, 3, dtype=torch.complex64), grad=False)
+    check(torch.linalg.eig, torch.zeros(2, 0, 0), grad=False)
+    check(lambda A: torch.linalg.eigvals(A).abs(), A)  # gradient through eig's backward
+
+
+def test_matrix_sqrth():
+    check(torch.linalg.matrix_sqrth, spd(4, (2,)))
+    check(torch.linalg.matrix_sqrth, torch.tensor([[1.0, 2.0], [2.0, 1.0]]), grad=False)  # clamps w < 0
+    check(torch.linalg.matrix_sqrth, torch.zeros(0, 3, 3), grad=False)
+
+
+def test_polar():
+    check(torch.linalg.polar, randn(2, 5, 3, dtype=torch.float64))
+    check(torch.linalg.polar, randn(4, 4), grad=False, atol=1e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="at least as many rows"):
+        torch.linalg.polar(torch.randn(2, 3).to("tpu"))
+
+
+@pytest.mark.parametrize("driver", ["gels", "gelsy", "gelsd", "gelss", None])
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_lstsq(driver, rows):
+    A, B = randn(3, rows, 3, dtype=torch.float64), randn(3, rows, 2, dtype=torch.float64, seed=1)
+    check(lambda A, B: torch.linalg.lstsq(A, B, driver=driver), A, B, grad=False)
+    check(lambda A, B: torch.linalg.lstsq(A, B, driver=driver).solution, A, B)
+
+
+def test_lstsq_vector_and_rank_deficient():
+    check(lambda A, b: torch.linalg.lstsq(A, b, driver="gelsd"), randn(4, 3), randn(4, seed=1), grad=False)
+    A = randn(5, 3, dtype=torch.float64)
+    A[:, 2] = A[:, 1]
+    # rank 2 < 3: gelsd reports the rank and no residuals; the solution is the minimum-norm one
+    check(lambda A, B: torch.linalg.lstsq(A, B, driver="gelsd"), A, randn(5, 2, dtype=torch.float64), grad=False)
+
+
+def test_pinv():
+    A = randn(2, 5, 3, dtype=torch.float64)
+    check(torch.linalg.pinv, A)
+    check(lambda A: torch.linalg.pinv(A, hermitian=True), spd(4, (2,)) - 6 * torch.eye(4, dtype=torch.float64))
+    singular = A @ A.mT  # rank 3 of 5: small singular values are cut off
+    check(torch.linalg.pinv, singular, grad=False)
+    check(lambda A: torch.linalg.pinv(A, atol=0.5), A, grad=False)
+    check(lambda A, rtol: torch.linalg.pinv(A, rtol=rtol), A, torch.tensor([0.0, 0.9], dtype=torch.float64),
+          grad=False)  # a batch of tolerances
+    check(torch.linalg.pinv, torch.zeros(2, 0, 3), grad=False)
+    check(torch.compile(torch.linalg.pinv, backend="tpu"), randn(4, 3), grad=False)

@@ -7,6 +7,8 @@ Products accumulate fp16/bf16 in fp32 (``preferred_element_type``) and ask for
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +167,18 @@ def _mH(x):
     return jnp.conj(_mT(x)) if jnp.iscomplexobj(x) else _mT(x)
 
 
+def _real_dtype(dtype):
+    return jnp.real(jnp.zeros((), dtype)).dtype
+
+
+def _complex_dtype(dtype):
+    return jnp.result_type(dtype, jnp.complex64)
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
 def _check_square(A, name: str) -> None:
     if A.ndim < 2:
         raise RuntimeError(f"{name}: The input tensor A must have at least 2 dimensions.")
@@ -204,6 +218,8 @@ def _cholesky_info(A):
 def linalg_cholesky_ex(A, *, upper=False, check_errors=False):
     _check_square(A, "linalg.cholesky")
     _check_float(A, "linalg.cholesky")
+    if A.size == 0:  # an empty batch or 0x0 matrices: nothing to factor, nothing failed
+        return A, jnp.zeros(A.shape[:-2], jnp.int32)
     L = jnp.tril(lax.linalg.cholesky(A, symmetrize_input=False))
     failed = jnp.any(jnp.isnan(L))
     info = lax.cond(failed, _cholesky_info, lambda A: jnp.zeros(A.shape[:-2], jnp.int32), A)
@@ -251,6 +267,8 @@ def _perm_from_pivots(pivots, m: int):
         perm = perm.at[..., i].set(pj)
         return jnp.where(jnp.arange(m) == j[..., None], pi[..., None], perm)
 
+    if pivots.size == 0:  # (fori_loop traces its body even for no steps)
+        return perm
     return lax.fori_loop(0, pivots.shape[-1], swap, perm)
 
 
@@ -359,13 +377,13 @@ def _linalg_eigh(A, UPLO="L", compute_v=True):
     if UPLO not in ("L", "U"):
         raise RuntimeError(f"Expected UPLO argument to be 'L' or 'U', but got {UPLO}")
     v, w = lax.linalg.eigh(A, lower=UPLO == "L", symmetrize_input=False, sort_eigenvalues=True)
-    w = w.astype(jnp.real(jnp.zeros((), A.dtype)).dtype)
+    w = w.astype(_real_dtype(A.dtype))
     return w, (v if compute_v else jnp.zeros((0,), A.dtype))
 
 
 @lowering(aten._linalg_svd.default)
 def _linalg_svd(A, full_matrices=False, compute_uv=True, *, driver=None):
-    real = jnp.real(jnp.zeros((), A.dtype)).dtype
+    real = _real_dtype(A.dtype)
     if not compute_uv:
         s = lax.linalg.svd(A, full_matrices=False, compute_uv=False)
         return jnp.zeros((0,), A.dtype), s.astype(real), jnp.zeros((0,), A.dtype)
@@ -406,6 +424,414 @@ def _linalg_slogdet(A):
 def linalg_matrix_exp(A):
     _check_square(A, "linalg.matrix_exp")
     return jax.scipy.linalg.expm(A)
+
+
+@lowering(aten.linalg_matrix_sqrth.default)
+def linalg_matrix_sqrth(A):
+    """The principal root via ``eigh`` of the lower triangle; negative eigenvalues count as 0, as on CPU."""
+    _check_square(A, "linalg.matrix_sqrth")
+    _check_float(A, "linalg.matrix_sqrth")
+    v, w = lax.linalg.eigh(A, lower=True, symmetrize_input=False)
+    root = jnp.sqrt(jnp.maximum(w, 0)).astype(A.dtype)
+    return _mm(v * root[..., None, :], _mH(v))
+
+
+@lowering(aten.linalg_polar.default)
+def linalg_polar(A):
+    """``A = U H`` from the SVD ``A = W S V^H``: ``U = W V^H``, ``H = V S V^H`` (PyTorch's CPU method)."""
+    m, n = A.shape[-2:]
+    if m < n:
+        raise RuntimeError(f"linalg.polar: input must have at least as many rows as columns, but got "
+                           f"{m} by {n} matrices")
+    _check_float(A, "linalg.polar")
+    w, s, vh = lax.linalg.svd(A, full_matrices=False)
+    return _mm(w, vh), _mm(_mH(vh) * s.astype(A.dtype)[..., None, :], vh)
+
+
+def _pinv_rtol(A, atol, rtol):
+    """PyTorch's default: ``rtol = eps * max(m, n)``, or 0 where a positive ``atol`` is given."""
+    if rtol is not None:
+        return rtol
+    default = np.finfo(_real_dtype(A.dtype)).eps * max(A.shape[-2:])
+    return default if atol is None else jnp.where(atol > 0, 0.0, default)
+
+
+@lowering(aten.linalg_pinv.atol_rtol_tensor)
+def linalg_pinv(A, *, atol=None, rtol=None, hermitian=False):
+    """Pseudo-inverse as PyTorch computes it: singular values (``|eigenvalues|`` when Hermitian)
+    at most ``max(atol, rtol * largest)`` count as zero."""
+    if A.ndim < 2 or not (jnp.issubdtype(A.dtype, jnp.floating) or jnp.iscomplexobj(A)) \
+            or A.dtype in (jnp.float16, jnp.bfloat16):
+        raise RuntimeError(f"linalg.pinv({to_torch_dtype(A.dtype)}{{{list(A.shape)}}}): expected a tensor with "
+                           "2 or more dimensions of float, double, cfloat or cdouble types")
+    m, n = A.shape[-2:]
+    if A.size == 0:
+        return jnp.zeros(A.shape[:-2] + (n, m), A.dtype)
+    rtol = _pinv_rtol(A, atol, rtol)
+    atol = 0.0 if atol is None else atol
+    if hermitian:
+        u, w = lax.linalg.eigh(A, lower=True, symmetrize_input=False)
+        magnitude = jnp.abs(w)
+        largest = jnp.max(magnitude, axis=-1, keepdims=True)
+        left, right = u, _mH(u)
+    else:
+        u, magnitude, vh = lax.linalg.svd(A, full_matrices=False)
+        w, largest = magnitude, magnitude[..., :1]
+        left, right = _mH(vh), _mH(u)
+    tol = jnp.maximum(jnp.expand_dims(jnp.asarray(atol), -1),
+                      jnp.expand_dims(jnp.asarray(rtol), -1) * largest).astype(magnitude.dtype)
+    inverse = jnp.where(magnitude > tol, 1 / jnp.where(magnitude > tol, w, 1), 0).astype(A.dtype)
+    return _mm(left * inverse[..., None, :], right)
+
+
+# ---------------------------------------------------------------- non-symmetric eigenproblem
+
+def _check_eig_platform(name: str) -> None:
+    from torchtpu.runtime.platform import platform
+
+    if platform() == "tpu":
+        raise NotImplementedError(f"{name}: XLA has no non-symmetric eigendecomposition on TPU (only on CPU "
+                                  f"and GPU); compute it on the host with {name}(A.cpu())")
+
+
+@lowering(aten.linalg_eig.default)
+def linalg_eig(A):
+    """LAPACK's ``geev`` through XLA (CPU and GPU only): unit-norm eigenvectors, as PyTorch's CPU."""
+    _check_square(A, "linalg.eig")
+    _check_float(A, "linalg.eig")
+    _check_eig_platform("torch.linalg.eig")
+    dtype = _complex_dtype(A.dtype)
+    if A.size == 0:
+        return jnp.zeros(A.shape[:-1], dtype), jnp.zeros(A.shape, dtype)
+    w, v = lax.linalg.eig(A, compute_left_eigenvectors=False)
+    return w.astype(dtype), v.astype(dtype)
+
+
+@lowering(aten._linalg_eigvals.default)
+def _linalg_eigvals(A):
+    _check_square(A, "linalg.eigvals")
+    _check_float(A, "linalg.eigvals")
+    _check_eig_platform("torch.linalg.eigvals")
+    dtype = _complex_dtype(A.dtype)
+    if A.size == 0:
+        return jnp.zeros(A.shape[:-1], dtype)
+    (w,) = lax.linalg.eig(A, compute_left_eigenvectors=False, compute_right_eigenvectors=False)
+    return w.astype(dtype)
+
+
+# ---------------------------------------------------------------- Householder (LAPACK geqrf form)
+
+@lowering(aten.geqrf.default)
+def geqrf(A):
+    """LAPACK's compact QR: R on and above the diagonal, the reflectors below it, and their ``tau``."""
+    if A.ndim < 2:
+        raise RuntimeError("torch.geqrf: input must have at least 2 dimensions.")
+    m, n = A.shape[-2:]
+    if A.size == 0:
+        return A, jnp.zeros(A.shape[:-2] + (min(m, n),), A.dtype)
+    h, tau = jnp.linalg.qr(A, mode="raw")  # h is the transposed geqrf matrix
+    return _mT(h), tau
+
+
+def _check_reflectors(A, tau, name: str) -> None:
+    if A.ndim < 2:
+        raise RuntimeError(f"{name}: input must have at least 2 dimensions.")
+    if tau.ndim != A.ndim - 1:
+        raise RuntimeError(f"{name}: input.dim() must be greater than or equal to tau.dim() by 1")
+    if A.shape[:-2] != tau.shape[:-1]:
+        raise RuntimeError(f"{name}: Expected batch dimensions of tau to be equal to input.shape[:-2], but "
+                           f"got {tau.shape[:-1]}")
+    _same_dtype(A, tau, "input and tau")
+
+
+@lowering(aten.linalg_householder_product.default)
+def linalg_householder_product(A, tau):
+    """The first ``n`` columns of ``H_1 ... H_k`` (LAPACK's ``orgqr``)."""
+    name = "torch.linalg.householder_product"
+    _check_reflectors(A, tau, name)
+    m, n = A.shape[-2:]
+    if m < n:
+        raise RuntimeError(f"{name}: input.shape[-2] must be greater than or equal to input.shape[-1]")
+    if tau.shape[-1] > n:
+        raise RuntimeError(f"{name}: input.shape[-1] must be greater than or equal to tau.shape[-1]")
+    if A.size == 0 or tau.shape[-1] == 0:  # no reflectors: the first n columns of the identity
+        return jnp.broadcast_to(jnp.eye(m, n, dtype=A.dtype), A.shape)
+    return lax.linalg.householder_product(A, tau)
+
+
+@lowering(aten.ormqr.default)
+def ormqr(A, tau, C, left=True, transpose=False):
+    """``Q C``, ``Q^H C``, ``C Q`` or ``C Q^H`` for the ``Q`` of geqrf's reflectors (LAPACK's ``ormqr``)."""
+    name = "torch.ormqr"
+    _check_reflectors(A, tau, name)
+    _same_dtype(A, C, "input and other")
+    if A.shape[:-2] != C.shape[:-2]:
+        raise RuntimeError(f"{name}: Expected batch dimensions of other to be equal to input.shape[:-2]")
+    size = C.shape[-2] if left else C.shape[-1]
+    if A.shape[-2] != size:
+        raise RuntimeError(f"{name}: Incompatible dimensions: input.shape[-2] must equal "
+                           f"other.shape[{-2 if left else -1}]")
+    if C.size == 0 or tau.shape[-1] == 0:  # Q of no reflectors is the identity
+        return C
+    return lax.linalg.ormqr(A, tau, C, left=left, transpose=transpose)
+
+
+# ---------------------------------------------------------------- LU unpacking
+
+@lowering(aten.lu_unpack.default)
+def lu_unpack(LU, pivots, unpack_data=True, unpack_pivots=True):
+    """(P, L, U) with ``A = P L U`` from ``lu_factor``'s packed LU and 1-based pivots."""
+    m, n = LU.shape[-2:]
+    k = min(m, n)
+    empty = jnp.zeros((0,), LU.dtype)
+    L = jnp.tril(LU[..., :, :k], -1) + jnp.eye(m, k, dtype=LU.dtype) if unpack_data else empty
+    U = jnp.triu(LU[..., :k, :]) if unpack_data else empty
+    if not unpack_pivots:
+        return empty, L, U
+    perm = _perm_from_pivots(pivots.astype(jnp.int32), m)
+    P = _mT(jax.nn.one_hot(perm, m, dtype=LU.dtype))
+    return jnp.broadcast_to(P, LU.shape[:-2] + (m, m)), L, U
+
+
+# ---------------------------------------------------------------- LDL (LAPACK sytrf form)
+
+_BK_ALPHA = (1 + 17 ** 0.5) / 8  # Bunch-Kaufman's bound: the element growth of a 2x2 pivot
+
+
+def _cabs1(x):
+    """LAPACK's pivot-search magnitude: |re| + |im| for complex numbers."""
+    return jnp.abs(jnp.real(x)) + jnp.abs(jnp.imag(x)) if jnp.iscomplexobj(x) else jnp.abs(x)
+
+
+class _Sym:
+    """Symmetric (``x^T``) or Hermitian (``x^H``, real diagonal) flavour of LAPACK's LDL routines."""
+
+    def __init__(self, dtype, hermitian: bool):
+        self.hermitian = hermitian and jnp.issubdtype(dtype, jnp.complexfloating)
+        self.conj = jnp.conj if self.hermitian else (lambda x: x)
+
+    def diag(self, x):
+        return jnp.real(x).astype(x.dtype) if self.hermitian else x
+
+    def diag_abs(self, x):
+        return jnp.abs(jnp.real(x)) if self.hermitian else _cabs1(x)
+
+
+def _bunch_kaufman(A, k, idx, sym: _Sym):
+    """sytf2's pivot choice at column ``k``: (kp, 2x2 block?, zero column?)."""
+    col = jnp.where(idx > k, _cabs1(A[:, k]), -1)
+    imax = jnp.argmax(col)
+    colmax = jnp.maximum(col[imax], 0)
+    absakk = sym.diag_abs(A[k, k])
+    zero = (jnp.maximum(absakk, colmax) == 0) | jnp.isnan(absakk)
+    rowmax = jnp.maximum(jnp.max(jnp.where((idx >= k) & (idx < imax), _cabs1(A[imax, :]), -1)),
+                         jnp.max(jnp.where(idx > imax, _cabs1(A[:, imax]), -1)))
+    rowmax = jnp.where(rowmax > 0, rowmax, 1)
+    keep = zero | (absakk >= _BK_ALPHA * colmax) | (absakk >= _BK_ALPHA * colmax * (colmax / rowmax))
+    one = keep | (sym.diag_abs(A[imax, imax]) >= _BK_ALPHA * rowmax)
+    return jnp.where(keep, k, imax), ~one, zero
+
+
+def _swap_trailing(A, k, kk, kp, idx, sym: _Sym):
+    """Swap rows and columns ``kk`` and ``kp`` of the trailing matrix ``A[k:, k:]`` (lower part stored)."""
+    strict = jnp.tril(A, -1)
+    full = strict + sym.conj(strict.T) + jnp.diag(sym.diag(jnp.diagonal(A)))
+    perm = jnp.where(idx == kk, kp, jnp.where(idx == kp, kk, idx))
+    swapped = full[perm][:, perm]
+    trailing = (idx[:, None] >= k) & (idx[None, :] >= k) & (idx[:, None] >= idx[None, :])
+    return jnp.where(trailing, swapped, A)
+
+
+def _ldl_update1(A, k, idx, sym: _Sym):
+    """Eliminate column ``k`` with the 1x1 pivot ``A[k, k]`` (sytf2's ``syr`` + ``scal``)."""
+    r1 = 1 / sym.diag(A[k, k])
+    x = jnp.where(idx > k, A[:, k], 0)
+    lower = (idx[:, None] >= idx[None, :])
+    A = A - jnp.where(lower, x[:, None] * (r1 * sym.conj(x))[None, :], 0)
+    return A.at[:, k].set(jnp.where(idx > k, A[:, k] * r1, A[:, k]))
+
+
+def _ldl_update2(A, k, idx, sym: _Sym):
+    """Eliminate columns ``k, k+1`` with the 2x2 pivot block (sytf2's explicit loop, vectorised)."""
+    ak, ak1 = A[:, k], A[:, k + 1]
+    if sym.hermitian:
+        d = jnp.abs(A[k + 1, k])
+        d11, d22 = jnp.real(A[k + 1, k + 1]) / d, jnp.real(A[k, k]) / d
+        d21 = A[k + 1, k] / d
+        scale = (1 / (d11 * d22 - 1)) / d
+        wk = scale * (d11 * ak - d21 * ak1)
+        wk1 = scale * (d22 * ak1 - jnp.conj(d21) * ak)
+    else:
+        d21 = A[k + 1, k]
+        d11, d22 = A[k + 1, k + 1] / d21, A[k, k] / d21
+        d21 = (1 / (d11 * d22 - 1)) / d21
+        wk = d21 * (d11 * ak - ak1)
+        wk1 = d21 * (d22 * ak1 - ak)
+    below = idx > k + 1
+    wk, wk1 = jnp.where(below, wk, 0), jnp.where(below, wk1, 0)
+    lower = idx[:, None] >= idx[None, :]
+    A = A - jnp.where(lower, ak[:, None] * sym.conj(wk)[None, :], 0) \
+          - jnp.where(lower, ak1[:, None] * sym.conj(wk1)[None, :], 0)
+    A = A.at[:, k].set(jnp.where(below, wk, A[:, k]))
+    return A.at[:, k + 1].set(jnp.where(below, wk1, A[:, k + 1]))
+
+
+def _ldl_factor_one(A, sym: _Sym):
+    """LAPACK's unblocked ``sytf2``/``hetf2`` (lower): compact LD, 1-based pivots (< 0: 2x2), info."""
+    n = A.shape[-1]
+    idx = jnp.arange(n)
+
+    def step(state):
+        A, piv, k, info = state
+        kp, two, zero = _bunch_kaufman(A, k, idx, sym)
+        A = _swap_trailing(A, k, k + two, kp, idx, sym)
+        eliminated = lax.cond(two, lambda A: _ldl_update2(A, k, idx, sym), lambda A: _ldl_update1(A, k, idx, sym), A)
+        A = jnp.where(zero, A, eliminated)
+        entry = jnp.where(two, -(kp + 1), kp + 1).astype(jnp.int32)
+        piv = piv.at[k].set(entry)
+        piv = jnp.where(two & (idx == k + 1), entry, piv)
+        info = jnp.where((info == 0) & zero, k + 1, info).astype(jnp.int32)
+        return A, piv, k + 1 + two.astype(k.dtype), info
+
+    state = (A, jnp.zeros(n, jnp.int32), jnp.asarray(0), jnp.asarray(0, jnp.int32))
+    A, piv, _, info = lax.while_loop(lambda s: s[2] < n, step, state)
+    LD = jnp.tril(A)
+    return LD.at[idx, idx].set(sym.diag(jnp.diagonal(LD))), piv, info
+
+
+def _batched(fn, A, *rest):
+    """``fn`` on each matrix of a batch (``vmap`` over the flattened batch dimensions)."""
+    batch = A.shape[:-2]
+    flat = [x.reshape((-1,) + x.shape[len(batch):]) for x in (A, *rest)]
+    out = jax.vmap(fn)(*flat)
+    return jax.tree.map(lambda y: y.reshape(batch + y.shape[1:]), out)
+
+
+@lowering(aten.linalg_ldl_factor_ex.default)
+def linalg_ldl_factor_ex(A, *, hermitian=False, check_errors=False):
+    """Bunch-Kaufman LDL in LAPACK's ``sytrf`` form, by its unblocked algorithm (``sytf2``): the
+    same pivots as PyTorch's CPU; the blocked LAPACK code (n > 64) takes the same pivots in exact
+    arithmetic, so only rounding may differ there (it matched at n = 70 and 130 in our tests)."""
+    _check_square(A, "torch.linalg.ldl_factor_ex")
+    _check_float(A, "torch.linalg.ldl_factor_ex")
+    if A.size == 0:
+        return A, jnp.zeros(A.shape[:-1], jnp.int32), jnp.zeros(A.shape[:-2], jnp.int32)
+    sym = _Sym(A.dtype, hermitian)
+    return _batched(lambda a: _ldl_factor_one(a, sym), A)
+
+
+def _swap_rows(B, i, j):
+    rows = B[jnp.stack([i, j])]
+    return B.at[i].set(rows[1]).at[j].set(rows[0])
+
+
+def _ldl_solve_one(LD, piv, B, sym: _Sym):
+    """LAPACK's ``sytrs``/``hetrs`` (lower): ``A X = B`` from sytrf's factors."""
+    n = LD.shape[-1]
+    idx = jnp.arange(n)
+
+    def forward(state):  # L D Y = P B, one pivot block at a time
+        B, k = state
+        two = piv[k] < 0
+        kp = jnp.abs(piv[k]) - 1
+        B = _swap_rows(B, k + two, kp)
+        B = B - jnp.where((idx > k + two)[:, None], LD[:, k][:, None] * B[k][None, :], 0)
+        B = lax.cond(two, _solve_block2, _solve_block1, B, k)
+        return B, k + 1 + two.astype(k.dtype)
+
+    def _solve_block1(B, k):
+        return B.at[k].multiply(1 / sym.diag(LD[k, k]))
+
+    def _solve_block2(B, k):
+        B = B - jnp.where((idx > k + 1)[:, None], LD[:, k + 1][:, None] * B[k + 1][None, :], 0)
+        akm1k = LD[k + 1, k]
+        akm1, ak = LD[k, k] / sym.conj(akm1k), LD[k + 1, k + 1] / akm1k
+        denom = akm1 * ak - 1
+        bkm1, bk = B[k] / sym.conj(akm1k), B[k + 1] / akm1k
+        return B.at[k].set((ak * bkm1 - bk) / denom).at[k + 1].set((akm1 * bk - bkm1) / denom)
+
+    def backward(state):  # L^T X = Y (L^H when Hermitian), undoing the interchanges
+        B, k = state
+        two = piv[k] < 0
+        below = (idx > k)[:, None]
+        B = B.at[k].add(-jnp.sum(jnp.where(below, sym.conj(LD[:, k])[:, None] * B, 0), axis=0))
+        prev = jnp.maximum(k - 1, 0)
+        update = B[prev] - jnp.sum(jnp.where(below, sym.conj(LD[:, prev])[:, None] * B, 0), axis=0)
+        B = B.at[prev].set(jnp.where(two, update, B[prev]))
+        B = _swap_rows(B, k, jnp.abs(piv[k]) - 1)
+        return B, k - 1 - two.astype(k.dtype)
+
+    B, _ = lax.while_loop(lambda s: s[1] < n, forward, (B, jnp.asarray(0)))
+    B, _ = lax.while_loop(lambda s: s[1] >= 0, backward, (B, jnp.asarray(n - 1)))
+    return B
+
+
+@lowering(aten.linalg_ldl_solve.default)
+def linalg_ldl_solve(LD, pivots, B, *, hermitian=False):
+    name = "torch.linalg.ldl_solve"
+    _check_square(LD, name)
+    if B.ndim < 2:
+        raise RuntimeError(f"{name}: The input tensor B must have at least 2 dimensions.")
+    if LD.shape[:-1] != pivots.shape:
+        raise RuntimeError(f"{name}: Expected LD.shape[:-1] and pivots.shape to be the same")
+    if pivots.dtype != jnp.int32:
+        raise RuntimeError(f"{name}: Expected pivots to be integers. Got {to_torch_dtype(pivots.dtype)}")
+    _same_dtype(LD, B, "LD and B")
+    batch = jnp.broadcast_shapes(LD.shape[:-2], B.shape[:-2])
+    LD, B = jnp.broadcast_to(LD, batch + LD.shape[-2:]), jnp.broadcast_to(B, batch + B.shape[-2:])
+    pivots = jnp.broadcast_to(pivots, batch + pivots.shape[-1:])
+    if B.size == 0:
+        return B
+    sym = _Sym(LD.dtype, hermitian)
+    return _batched(lambda ld, p, b: _ldl_solve_one(ld, p, b, sym), LD, pivots, B)
+
+
+# ---------------------------------------------------------------- least squares
+
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+@functools.partial(jax.jit, static_argnames=("rcond",))
+def _lstsq_svd(A, B, rcond):
+    """(minimum-norm solution, rank, singular values, squared residual norms) through the SVD."""
+    m, n = A.shape[-2:]
+    u, s, vh = lax.linalg.svd(A, full_matrices=False)
+    cutoff = (rcond if rcond is not None else np.finfo(s.dtype).eps * max(m, n)) * s[..., :1]
+    keep = s > cutoff if min(m, n) else jnp.zeros(s.shape, bool)
+    inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(A.dtype)
+    x = _mm(_mH(vh), inv[..., :, None] * _mm(_mH(u), B))
+    residuals = jnp.sum(jnp.abs(_mm(A, x) - B) ** 2, axis=-2)
+    return x, jnp.sum(keep, axis=-1).astype(jnp.int64), s.astype(_real_dtype(A.dtype)), residuals
+
+
+@lowering(aten.linalg_lstsq.default, jit=False)
+def linalg_lstsq(A, B, rcond=None, *, driver=None):
+    """Least squares as PyTorch's CPU drivers report it (which outputs are filled depends on the
+    driver); solved through the SVD, so rank-deficient ``gels`` inputs get the minimum-norm
+    solution where LAPACK's QR would divide by ~0. ``jit=False``: whether ``gelsd``/``gelss``
+    return residuals depends on the computed rank, as in PyTorch."""
+    name = "torch.linalg.lstsq"
+    driver = driver or "gelsy"  # PyTorch's default on the CPU, the device we match
+    if driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError(f"{name}: parameter `driver` should be one of (gels, gelsy, gelsd, gelss)")
+    if A.ndim < 2:
+        raise RuntimeError(f"{name}: input must have at least 2 dimensions.")
+    _check_float(A, name)
+    _same_dtype(A, B, "input and other")
+    vector = B.ndim == A.ndim - 1
+    rhs = B[..., None] if vector else B
+    m, n = A.shape[-2:]
+    if rhs.shape[-2] != m:
+        raise RuntimeError(f"{name}: input.size(-2) should match other.size(-2)")
+    A, rhs = _broadcast_batch(A, rhs)
+    x, rank, s, residuals = _lstsq_svd(A, rhs, rcond)
+    real = _real_dtype(A.dtype)
+    full_rank = driver == "gels" or bool(jnp.all(rank == n))
+    if not (m > n and driver != "gelsy" and full_rank):
+        residuals = jnp.zeros((0,), real)
+    rank = jnp.zeros((0,), jnp.int64) if driver == "gels" else rank
+    s = s if driver in ("gelsd", "gelss") else jnp.zeros((0,), real)
+    return (x[..., 0] if vector else x), residuals.astype(real), rank, s
 
 
 # ---------------------------------------------------------------- error checks
