@@ -276,3 +276,42 @@ def test_to_device_copies_the_host_values_at_the_time_of_the_call():
         on_tpu = src.to("tpu")
         src.add_(1)
         assert on_tpu.cpu().eq(0).all()
+
+
+def test_views_that_differ_only_in_offset_share_one_program():
+    # A KV-cache-like pattern: reading and writing row i of a buffer must not compile per i.
+    from torchtpu.device import bridge
+
+    cache = torch.zeros(16, 8, 4, device="tpu")
+    expected = torch.zeros(16, 8, 4)
+    reads, writes = bridge._gather.cache_info().currsize, bridge._scatter.cache_info().currsize
+    for i in range(16):
+        row = torch.full((8, 4), float(i))
+        cache[i, :, 1:3] = row[:, 1:3].to("tpu")  # a strided view at a new offset each step
+        expected[i, :, 1:3] = row[:, 1:3]
+        assert_close(cache[i, :, 1:3].cpu(), expected[i, :, 1:3])
+    assert bridge._gather.cache_info().currsize - reads <= 2
+    assert bridge._scatter.cache_info().currsize - writes <= 2
+    assert_close(cache.cpu(), expected)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.true_divide(x, 2.0), lambda x: torch.where(x > 0, x, 0.5),
+                                lambda x: torch.where(x > 0, 0.5, x), lambda x: torch.nn.functional.silu(x) * 3,
+                                lambda x: torch.nn.functional.mish(x)])
+def test_ops_pytorch_decomposes_keep_their_gradient(fn):
+    # A device kernel on a CompositeImplicitAutograd op (true_divide, where.ScalarOther, ...) would
+    # take the call before PyTorch's decomposition and leave the result without a grad_fn.
+    x = torch.randn(6, requires_grad=True)
+    t = x.detach().to("tpu").requires_grad_(True)
+    fn(x).sum().backward()
+    fn(t).sum().backward()
+    assert_close(t.grad.cpu(), x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_static_float_and_int_arguments_do_not_share_a_program():
+    # 4 == 4.0 and hash(4) == hash(4.0): a cache keyed on the values alone ran arange(0.0, 4.0)'s
+    # float program for arange(0, 4).
+    assert torch.arange(0.0, 4.0, device="tpu").dtype == torch.float32
+    assert torch.arange(0, 4, device="tpu").dtype == torch.int64
+    assert torch.full((2,), 3, device="tpu").dtype == torch.int64
+    assert torch.full((2,), 3.0, device="tpu").dtype == torch.float32

@@ -19,6 +19,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import torch
 
@@ -194,8 +195,8 @@ def read(t: torch.Tensor) -> jax.Array:
     if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
         value = array
     else:
-        value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                              to_jax_dtype(t.dtype)), array)
+        value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), to_jax_dtype(t.dtype)),
+                      array, t.storage_offset())
         if t.storage_offset() == 0 and t.is_contiguous() and value.size * value.dtype.itemsize == array.size * \
                 array.dtype.itemsize:
             storage._jax = value  # same bytes, now in the shape and dtype readers use (e.g. after torch.load)
@@ -277,8 +278,8 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
             value = apply(_reshape(tuple(array.shape)), value)
         storage._jax = value
         return
-    storage._jax = apply(_scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()),
-                                  t.storage_offset(), dtype), array, value)
+    storage._jax = apply(_scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), dtype),
+                         array, value, t.storage_offset())
 
 
 @functools.cache
@@ -331,19 +332,20 @@ def _bitcast(flat, dtype):
 
 
 @functools.cache
-def _gather(array_shape, array_dtype, shape, strides, offset, dtype):
+def _gather(array_shape, array_dtype, shape, strides, dtype):
+    """A jitted ``(array, offset) -> view``. The offset is a runtime argument, so views that differ
+    only in where they start (slices of a KV cache, rows of a batch) share one program."""
     numel = math.prod(shape)
     contiguous = tuple(_contiguous_strides(shape)) == strides or numel <= 1
-
     plan = None if contiguous else _strided_plan(shape, strides)
 
-    def gather(array):
+    def gather(array, offset):
         flat = _bitcast(array.reshape(-1), dtype)
         if contiguous:
-            return flat[offset:offset + numel].reshape(shape)
+            return lax.dynamic_slice(flat, (offset,), (numel,)).reshape(shape)
         if plan is not None:
             return _strided_read(flat, offset, shape, strides, plan)
-        return flat[_indices(shape, strides, offset)]
+        return flat[_indices(shape, strides, 0) + offset]
 
     return jax.jit(gather)
 
@@ -366,12 +368,15 @@ def _strided_plan(shape, strides):
 def _strided_read(flat, offset, shape, strides, dims):
     """The view as slices and reshapes of the flat storage (see ``_strided_plan``)."""
     if not dims:  # every dim has size 1 or stride 0: one element, broadcast
-        return jnp.broadcast_to(flat[offset], shape)
+        return jnp.broadcast_to(lax.dynamic_index_in_dim(flat, offset, keepdims=False), shape)
     outer = dims[0]
     length = shape[outer] * strides[outer]
-    block = flat[offset:offset + length]
-    if block.shape[0] < length:  # the last row's tail lies past the storage: never read, pad it
-        block = jnp.pad(block, (0, length - block.shape[0]))
+    # The last row's tail may lie past the storage (it is never read): pad by the most it can
+    # overhang, which the view's own extent bounds (a full transpose needs none).
+    overhang = length - 1 - sum((n - 1) * s for n, s in zip(shape, strides))
+    if overhang > 0:
+        flat = jnp.pad(flat, (0, overhang))
+    block = lax.dynamic_slice(flat, (offset,), (length,))
     block = block.reshape(shape[outer], strides[outer])
     for d in dims[1:]:  # within each row of the previous dim, rows of this one
         block = block[..., : shape[d] * strides[d]].reshape(*block.shape[:-1], shape[d], strides[d])
@@ -384,16 +389,17 @@ def _strided_read(flat, offset, shape, strides, dims):
 
 
 @functools.cache
-def _scatter(array_shape, array_dtype, shape, strides, offset, dtype):
+def _scatter(array_shape, array_dtype, shape, strides, dtype):
+    """A jitted ``(array, value, offset) -> array`` writing a view (offset dynamic, as in _gather)."""
     numel = math.prod(shape)
     contiguous = tuple(_contiguous_strides(shape)) == strides or numel <= 1
 
-    def scatter(array, value):
+    def scatter(array, value, offset):
         flat = _bitcast(array.reshape(-1), dtype)
         if contiguous:
-            flat = jax.lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+            flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
         else:
-            flat = flat.at[_indices(shape, strides, offset).reshape(-1)].set(value.reshape(-1))
+            flat = flat.at[_indices(shape, strides, 0).reshape(-1) + offset].set(value.reshape(-1))
         return _bitcast(flat, array_dtype).reshape(array_shape)
 
     return jax.jit(scatter)

@@ -74,9 +74,35 @@ class _Signature:
         self.device_arg = any(a.name == "device" for a in schema.arguments)
 
 
+class _Float(float):
+    """A static float in a jit key: unequal to the int of the same value (4.0 == 4 and they hash
+    alike, so arange(0.0, 4.0) and arange(0, 4) would share a program). NaN equals NaN here."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        return type(other) is _Float and (float(self) == float(other) or (math.isnan(self) and math.isnan(other)))
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash((_Float, float(self)))
+
+
 def _freeze(value):
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
+    if type(value) is float:
+        return _Float(value)
+    return value
+
+
+def _thaw(value):
+    if type(value) is _Float:
+        return float(value)
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
     return value
 
 
@@ -172,9 +198,7 @@ def _rebuild(key, dyn):
             return next(it)
         if isinstance(k, TensorList):
             return [None if p is None else next(it) for p in k]
-        if isinstance(k, tuple):
-            return list(k)
-        return k
+        return _thaw(k)
 
     positional, keyword = key
     args = [value(k) for k in positional]

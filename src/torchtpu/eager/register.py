@@ -38,12 +38,24 @@ def _variants(op: OpOverload):
                 yield "out", candidate
 
 
+def _composite(op: OpOverload) -> bool:
+    # PyTorch decomposes these above autograd (true_divide, where.ScalarOther, ...): a device kernel
+    # would take the call before the decomposition and the result would have no grad_fn. Their
+    # lowerings still serve compiled graphs.
+    try:
+        return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # an overload only Python knows of (no dispatcher entry): not composite
+        return False
+
+
 def kernels() -> dict[OpOverload, object]:
     """Every eager kernel, by overload (built once)."""
     if KERNELS:
         return KERNELS
     lowerings = registry.load_all()
     for op, low in lowerings.items():
+        if _composite(op):
+            continue
         kernel = dispatch.Kernel(low)
         if low.mutates:  # writes its arguments itself: no derived in-place or out= variants
             KERNELS[op] = dispatch.MutatingKernel(kernel)
@@ -53,7 +65,7 @@ def kernels() -> dict[OpOverload, object]:
             continue
         KERNELS[op] = kernel
         for kind, variant in _variants(op):
-            if variant in lowerings or variant in KERNELS:
+            if variant in lowerings or variant in KERNELS or _composite(variant):
                 continue
             if kind == "inplace":
                 KERNELS[variant] = dispatch.InplaceKernel(kernel)
