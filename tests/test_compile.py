@@ -447,3 +447,24 @@ def test_foreach_adamw_step_inside_compile_matches_cpu():
         opts[0].zero_grad()
         torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.weight.detach().cpu(), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_linalg_error_checks_run_inside_compiled_graphs(no_fallback):
+    # aot_autograd wraps _linalg_check_errors in with_effects; the graph runs it as a host check.
+    fn = torch.compile(torch.linalg.inv, backend="tpu")
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    assert_close(fn(tpu(a)).cpu(), torch.linalg.inv(a), rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="singular|LinAlgError"):
+        fn(torch.zeros(3, 3, device="tpu")).cpu()
+
+
+def test_random_op_after_a_graph_break(no_fallback):
+    # After a graph break dynamo runs our eager kernels; compiling one must not trace into
+    # ml_dtypes (jax calls it): that crashed with InternalTorchDynamoError.
+    def f(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + torch.rand(x.shape, device=x.device).ge(0)
+
+    x = torch.randn(5)
+    assert_close(torch.compile(f, backend="tpu")(tpu(x)).cpu(), x * 2 + 1)

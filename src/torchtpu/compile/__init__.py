@@ -43,8 +43,9 @@ def _register_with_dynamo() -> None:
     # Our eager kernels are Python (and JAX) called by the dispatcher: dynamo must run them, not
     # trace them (as it does for torch's own Python), or eager ops after a graph break are traced.
     # Only the internal layers: user-facing code in torchtpu (the demo's model) stays traceable.
+    # (ml_dtypes: jax calls into it while compiling an eager kernel after a graph break.)
     for package in ("torchtpu.runtime", "torchtpu.device", "torchtpu.ops", "torchtpu.eager",
-                    "torchtpu.compile", "jax", "jaxlib"):
+                    "torchtpu.compile", "jax", "jaxlib", "ml_dtypes"):
         trace_rules.add(package)
     if "tpu" not in _COMPILER_FNS:
         register_backend(backend, name="tpu")

@@ -114,8 +114,23 @@ class MissingLowering(NotImplementedError):
     pass
 
 
+def _with_effects(token, op: OpOverload, *args, **kwargs):
+    """aot_autograd's wrapper for ops with side effects (``_linalg_check_errors``): run the op's
+    lowering in order and pass the token through; returns (token, *outputs)."""
+    low = registry.LOWERINGS.get(op)
+    if low is None:
+        raise MissingLowering(str(op))
+    out = low.fn(*args, **kwargs)
+    outs = () if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if token is None:  # the runtime passes no token in; the graph still returns one (discarded)
+        token = jnp.zeros((0,), jnp.float32)
+    return (token, *outs)
+
+
 def _resolve(node: Node, random_count: int) -> _Step:
     target = node.target
+    if target is torch.ops.higher_order.with_effects:
+        return _Step(node, _with_effects)
     if not isinstance(target, OpOverload):
         return _Step(node, target)
     fn = _graph_lowering(target) or view_lowerings().get(target)
