@@ -1366,28 +1366,28 @@ def _nearest_index(n_in, n_out, scale, exact: bool) -> np.ndarray:
     return np.minimum(src.astype(np.int64), n_in - 1)
 
 
-def _linear_matrix(n_in, n_out, scale, align_corners) -> np.ndarray:
+def _linear_matrix(n_in, n_out, scale, align_corners, dtype=np.float32) -> np.ndarray:
     """(n_out, n_in) interpolation matrix of PyTorch's linear upsampling along one axis."""
-    s = np.float32(_scale(n_in, n_out, scale, align_corners))
-    i = np.arange(n_out, dtype=np.float32)
-    src = i * s if align_corners else np.maximum((i + np.float32(0.5)) * s - np.float32(0.5), 0)
+    s = dtype(_scale(n_in, n_out, scale, align_corners))
+    i = np.arange(n_out, dtype=dtype)
+    src = i * s if align_corners else np.maximum((i + dtype(0.5)) * s - dtype(0.5), 0)
     lo = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
     hi = np.minimum(lo + 1, n_in - 1)
-    frac = (src - lo).astype(np.float32)
-    m = np.zeros((n_out, n_in), np.float32)
+    frac = (src - lo).astype(dtype)
+    m = np.zeros((n_out, n_in), dtype)
     np.add.at(m, (np.arange(n_out), lo), 1 - frac)
     np.add.at(m, (np.arange(n_out), hi), frac)
     return m
 
 
-def _cubic_matrix(n_in, n_out, scale, align_corners) -> np.ndarray:
+def _cubic_matrix(n_in, n_out, scale, align_corners, dtype=np.float32) -> np.ndarray:
     """(n_out, n_in) matrix of PyTorch's bicubic (A = -0.75) taps, border indices clamped."""
     a = -0.75
-    s = np.float32(_scale(n_in, n_out, scale, align_corners))
-    i = np.arange(n_out, dtype=np.float32)
-    src = i * s if align_corners else (i + np.float32(0.5)) * s - np.float32(0.5)
+    s = dtype(_scale(n_in, n_out, scale, align_corners))
+    i = np.arange(n_out, dtype=dtype)
+    src = i * s if align_corners else (i + dtype(0.5)) * s - dtype(0.5)
     base = np.floor(src)
-    t = (src - base).astype(np.float32)
+    t = (src - base).astype(dtype)
 
     def near(x):  # |x| <= 1
         return ((a + 2) * x - (a + 3)) * x * x + 1
@@ -1396,7 +1396,7 @@ def _cubic_matrix(n_in, n_out, scale, align_corners) -> np.ndarray:
         return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
 
     coeffs = [far(t + 1), near(t), near(1 - t), far(2 - t)]
-    m = np.zeros((n_out, n_in), np.float32)
+    m = np.zeros((n_out, n_in), dtype)
     for k, c in enumerate(coeffs):
         idx = np.clip(base.astype(np.int64) - 1 + k, 0, n_in - 1)
         np.add.at(m, (np.arange(n_out), idx), c)
@@ -1417,7 +1417,8 @@ def _upsample_linear(x, output_size, align_corners, scales, matrix=_linear_matri
     y = _up(x)
     for i, (o, s) in enumerate(zip(output_size, scales)):
         axis = x.ndim - nd + i
-        m = jnp.asarray(matrix(x.shape[axis], o, s, align_corners), y.dtype)
+        # PyTorch computes the source positions in the accumulate type: double for double
+        m = jnp.asarray(matrix(x.shape[axis], o, s, align_corners, np.dtype(y.dtype).type), y.dtype)
         y = jnp.moveaxis(jnp.tensordot(y, m, axes=([axis], [1]), precision=HIGHEST), -1, axis)
     return y
 
