@@ -175,6 +175,10 @@ def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_mem
     return empty(size, dtype=dtype)
 
 
+def empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return empty(size, dtype=dtype)  # (empty_like's decomposition; the layout is XLA's to choose)
+
+
 # Graph-only (read through shape.VIEW_LOWERINGS). In eager, ``zeros_like(x, device="cpu")`` must
 # leave the device, which a lowering cannot, so eager keeps PyTorch's empty_like + fill_ path;
 # eager's ``empty`` is a lazy shell (eager/views.py).
@@ -184,4 +188,5 @@ GRAPH_FACTORIES = {
     aten.ones_like.default: ones_like,
     aten.empty.memory_format: empty,
     aten.empty_strided.default: empty_strided,
+    aten.empty_permuted.default: empty_permuted,
 }
