@@ -423,6 +423,8 @@ def _linalg_slogdet(A):
 @lowering(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(A):
     _check_square(A, "linalg.matrix_exp")
+    if A.dtype in (jnp.bfloat16, jnp.float16):  # XLA's expm wants 32 bits; PyTorch's CPU takes halves
+        return jax.scipy.linalg.expm(A.astype(jnp.float32)).astype(A.dtype)
     return jax.scipy.linalg.expm(A)
 
 
