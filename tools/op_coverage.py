@@ -249,11 +249,52 @@ def render(results: dict, meta: dict) -> str:
         total = c["pass"] + c["fail"] + c["cpu-fallback"] + c["skipped"]
         lines.append(f"| {mode} | {total} | {c['pass']} | {c['fail']} | {c['cpu-fallback']} | "
                      f"{c['skipped']} | {_pct(c['pass'], total)} | {c['n/a']} | {runs.get(mode, '?')} |")
+    lines += [""] + [f"- {line}" for line in summary(results, harness)]
     lines += _notes_table(results, harness)
     lines += _missing_table(results)
     for mode in harness.MODES:
         lines += _mode_section(mode, results.get(mode) or {})
     return "\n".join(lines) + "\n"
+
+
+def summary(results: dict, harness) -> list[str]:
+    """The headline figures (also written into the README): combined rows the acceptance uses."""
+    lines = []
+    eager = [m for m in harness.MODES if m.startswith("eager_")]
+    ran = [m for m in eager if results.get(m)]
+    if ran:
+        counts = sum((_counts(results[m]) for m in ran), Counter())
+        total = counts["pass"] + counts["fail"] + counts["cpu-fallback"] + counts["skipped"]
+        lines.append(f"Eager forward, {len(ran)} of {len(eager)} dtypes together: "
+                     f"{_pct(counts['pass'], total)} of {total} (op, dtype) pairs pass.")
+    fwd, bwd = results.get("module_forward") or {}, results.get("module_backward") or {}
+    both = [e for e in fwd if fwd[e]["status"] != "n/a" and e in bwd]
+    if both:
+        ok = sum(fwd[e]["status"] == "pass" and bwd[e]["status"] == "pass" for e in both)
+        lines.append(f"Modules passing forward and backward: {_pct(ok, len(both))} ({ok} of {len(both)}).")
+    for mode in ("eager_float32", "backward_float32", "compiled_float32"):
+        rows = results.get(mode)
+        if rows:
+            c = _counts(rows)
+            total = c["pass"] + c["fail"] + c["cpu-fallback"] + c["skipped"]
+            lines.append(f"{mode}: {_pct(c['pass'], total)} ({c['pass']} of {total} entries).")
+    return lines
+
+
+README = ROOT / "README.md"
+_README_MARKERS = ("<!-- coverage:begin -->", "<!-- coverage:end -->")
+
+
+def write_readme(results: dict, harness) -> None:
+    """Replace the README's generated coverage lines (between its markers) with ``summary``."""
+    text = README.read_text()
+    begin, end = _README_MARKERS
+    if begin not in text or end not in text:
+        return
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    body = "\n".join(f"- {line}" for line in summary(results, harness))
+    README.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
 
 
 def _caps(harness) -> str:
@@ -389,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     META.write_text(json.dumps(meta, indent=1) + "\n")
     write_known_failures(results)
     REPORT.write_text(render(results, meta))
+    write_readme(results, harness)
     for mode in modes:
         rows = results.get(mode) or {}
         c = _counts(rows)
