@@ -42,6 +42,9 @@ GRAPH_LOWERINGS: dict[OpOverload, Callable] = {
     aten.copy_.default: _copy,
     aten._conj.default: jnp.conj,
     aten._neg_view.default: jnp.negative,
+    # views between complex and (re, im) pairs are values in a functional graph
+    aten.view_as_real.default: lambda x: jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1),
+    aten.view_as_complex.default: lambda x: jax.lax.complex(x[..., 0], x[..., 1]),
 }
 
 # prims some decompositions produce (fma is registered only once Inductor is imported).

@@ -420,6 +420,19 @@ def _linalg_slogdet(A):
     return sign, logabsdet, lu, pivots
 
 
+@lowering(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``nn.functional.bilinear``'s kernel: the three inputs, unsqueezed, multiplied, summed over ``sumdim``."""
+    def expand(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+
+    dtype = jnp.result_type(i1, i2, i3)
+    out = expand(i1, expand1).astype(dtype) * expand(i2, expand2) * expand(i3, expand3)
+    return jnp.sum(out, axis=tuple(sumdim)) if sumdim else out
+
+
 @lowering(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(A):
     _check_square(A, "linalg.matrix_exp")
