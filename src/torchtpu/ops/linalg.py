@@ -51,6 +51,10 @@ _ADDBMM = (((0, 2), (0, 1)), ((), ()))
 
 def _scaled_sum(acc, bias, beta, alpha, dtype):
     """``beta * bias + alpha * acc`` in opmath; beta == 0 ignores ``bias`` (NaNs included)."""
+    if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+        # PyTorch converts the scalars to the tensors' type first: 0.6 is 0 for int64 tensors
+        alpha, beta = (jnp.asarray(v) != 0 if dtype == jnp.bool_ else jnp.trunc(jnp.asarray(v)).astype(dtype)
+                       for v in (alpha, beta))
     acc = acc * alpha
     if bias is not None:
         bias = jnp.asarray(bias).astype(acc.dtype)

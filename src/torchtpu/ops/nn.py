@@ -560,7 +560,8 @@ def native_dropout(key, x, p, train):
 
 @lowering(aten.native_dropout_backward.default)
 def native_dropout_backward(g, mask, scale):
-    return (_up(g) * mask * scale).astype(g.dtype)
+    _, out = promote(g, scale)  # an integer or bool gradient times the float scale is float, as on CPU
+    return (_up(g) * mask * scale).astype(out)
 
 
 @lowering(aten.rrelu_with_noise.default, random=True, mutates=("noise",))
