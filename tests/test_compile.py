@@ -468,3 +468,14 @@ def test_random_op_after_a_graph_break(no_fallback):
 
     x = torch.randn(5)
     assert_close(torch.compile(f, backend="tpu")(tpu(x)).cpu(), x * 2 + 1)
+
+
+def test_complex_views_and_bilinear_in_compiled_graphs(no_fallback):
+    def f(x, w, a, b):
+        z = torch.view_as_complex(x) * 2
+        return torch.view_as_real(z).sum(-1), F.bilinear(a, b, w)
+
+    x, w, a, b = torch.randn(3, 4, 2), torch.randn(5, 4, 6), torch.randn(2, 4), torch.randn(2, 6)
+    actual = compiled(f)(tpu(x), tpu(w), tpu(a), tpu(b))
+    for got, want in zip(actual, f(x, w, a, b)):
+        assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
