@@ -80,6 +80,7 @@ def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory
 
 
 @lowering(aten.zeros.default)
+@lowering(aten._efficientzerotensor.default)  # autograd's zero gradients (sgn, ...): plain zeros here
 def zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size), _dtype(dtype, None))
 
