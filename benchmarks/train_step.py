@@ -1,6 +1,7 @@
 """Training-step throughput: torch CPU eager, torch CPU Inductor, tpu eager, tpu compiled.
 
-Prints three tables measured side by side in one run (medians of per-step times):
+Prints three tables measured side by side in one run (medians of per-step times, the variants
+timed in interleaved rounds so that a shared machine's drift hits them alike):
 1. the GPT step (4 layers, d_model 256, seq 128, vocab 1024, batch 8) with MFU against a matmul
    peak measured here (max of XLA:CPU's and torch's 2048x2048 fp32 matmul);
 2. a small, dispatch-bound GPT (d 64, 2 layers, seq 32, batch 1, vocab 256): tpu compiled vs eager;
@@ -46,6 +47,22 @@ def median_seconds(fn: Callable[[], object], steps: int, warmup: int) -> float:
         _sync(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_rates(variants: dict, steps: int, warmup: int, rounds: int) -> dict[str, float]:
+    """Steps/s of each variant: ``rounds`` rounds, each timing ``steps`` steps of every variant in
+    turn, so slow drifts of a shared machine hit all variants alike; the median step time of each."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            _sync(fn())
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                _sync(fn())
+                times[name].append(time.perf_counter() - start)
+    return {name: 1 / statistics.median(t) for name, t in times.items()}
 
 
 def _sync(value) -> None:
@@ -134,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --steps steps per variant")
     args = parser.parse_args()
 
     jax_peak, torch_peak = matmul_peak()
@@ -145,9 +163,9 @@ def main() -> None:
     variants, cpu_step, batch = gpt_variants(config, 8, ("torch CPU eager", "torch CPU Inductor", "tpu eager",
                                                          "tpu compiled"))
     flops = step_flops(cpu_step, batch)
-    rows, rates = [], {}
-    for name, fn in variants.items():
-        rates[name] = 1 / median_seconds(fn, args.steps, args.warmup)
+    rows = []
+    rates = interleaved_rates(variants, args.steps, args.warmup, args.rounds)
+    for name in variants:
         rows.append([name, f"{rates[name]:.2f}", f"{100 * flops * rates[name] / peak:.1f}%"])
     for name in rates:
         rows[list(rates).index(name)].append(f"{rates[name] / rates['torch CPU Inductor']:.2f}x")
@@ -156,13 +174,13 @@ def main() -> None:
 
     small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
     variants, _, _ = gpt_variants(small, 1, ("tpu eager", "tpu compiled"))
-    small_rates = {name: 1 / median_seconds(fn, args.steps * 3, args.warmup) for name, fn in variants.items()}
+    small_rates = interleaved_rates(variants, args.steps * 3, args.warmup, args.rounds)
     ratio = small_rates["tpu compiled"] / small_rates["tpu eager"]
     print(table("Small GPT train step (d 64, 2 layers, seq 32, batch 1, vocab 256): dispatch-bound",
                 ["variant", "steps/s"], [[n, f"{r:.1f}"] for n, r in small_rates.items()])
           + f"\ntpu compiled / tpu eager: {ratio:.2f}x (target >= 5x)")
 
-    mlp_rates = {name: 1 / median_seconds(fn, args.steps * 3, args.warmup) for name, fn in mlp_variants().items()}
+    mlp_rates = interleaved_rates(mlp_variants(), args.steps * 3, args.warmup, args.rounds * 3)
     ratio = mlp_rates["tpu compiled"] / mlp_rates["torch CPU Inductor"]
     print(table("MLP train step (batch 64, 512 -> 2048 -> 512, ReLU, MSE, SGD)",
                 ["variant", "steps/s"], [[n, f"{r:.1f}"] for n, r in mlp_rates.items()])
