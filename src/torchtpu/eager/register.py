@@ -43,7 +43,9 @@ def _composite(op: OpOverload) -> bool:
     # would take the call before the decomposition and the result would have no grad_fn. Their
     # lowerings still serve compiled graphs.
     try:
-        return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+        # the C++ registration only: Python decompositions registered for tracing (py_impl, e.g.
+        # native_batch_norm's) do not run in eager and must not cost the op its kernel
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
     except RuntimeError:  # an overload only Python knows of (no dispatcher entry): not composite
         return False
 
