@@ -1436,9 +1436,9 @@ def _upsample_lowerings(nd: int, fwd, bwd, exact: bool):
         return vjp(_up(g))[0].astype(g.dtype)
 
 
-def _linear_lowerings(nd: int, fwd, bwd, matrix=_linear_matrix):
-    def interpolate(x, output_size, align_corners, scales):
-        return _upsample_linear(x, tuple(output_size), align_corners, _pad_scales(scales, nd), matrix)
+def interpolation_lowerings(fwd, bwd, interpolate) -> None:
+    """Register an interpolating upsample op and its backward (the vjp of the forward), given
+    ``interpolate(x, output_size, align_corners, scales)`` computed in opmath."""
 
     @lowering(fwd)
     def forward(x, output_size, align_corners, *scales):
@@ -1449,6 +1449,13 @@ def _linear_lowerings(nd: int, fwd, bwd, matrix=_linear_matrix):
         _, vjp = jax.vjp(lambda a: interpolate(a, output_size, align_corners, scales),
                          jnp.zeros(tuple(input_size), opmath(g.dtype)))
         return vjp(_up(g))[0].astype(g.dtype)
+
+
+def _linear_lowerings(nd: int, fwd, bwd, matrix=_linear_matrix):
+    def interpolate(x, output_size, align_corners, scales):
+        return _upsample_linear(x, tuple(output_size), align_corners, _pad_scales(scales, nd), matrix)
+
+    interpolation_lowerings(fwd, bwd, interpolate)
 
 
 def _pad_scales(scales, nd):

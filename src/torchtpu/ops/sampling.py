@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torchtpu.ops.nn import _max_pool_backward, _pad_scales, _up
+from torchtpu.ops.nn import _max_pool_backward, _pad_scales, _up, interpolation_lowerings
 from torchtpu.ops.registry import aten, lowering
 
 HIGHEST = lax.Precision.HIGHEST
@@ -334,15 +334,7 @@ def _aa_lowerings(kind: str, fwd, bwd):
                                       "convert to a floating dtype first")
         return _upsample_aa(x, tuple(output_size), align_corners, _pad_scales(scales, 2), kind)
 
-    @lowering(fwd)
-    def forward(x, output_size, align_corners, *scales):
-        return interpolate(x, output_size, align_corners, scales).astype(x.dtype)
-
-    @lowering(bwd)
-    def backward(g, output_size, input_size, align_corners, *scales):
-        _, vjp = jax.vjp(lambda a: interpolate(a, output_size, align_corners, scales),
-                         jnp.zeros(tuple(input_size), _up(g).dtype))
-        return vjp(_up(g))[0].astype(g.dtype)
+    interpolation_lowerings(fwd, bwd, interpolate)
 
 
 _aa_lowerings("linear", aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default)
