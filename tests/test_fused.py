@@ -104,3 +104,51 @@ def test_out_of_memory_at_materialisation():
         big = torch.empty(2**40, device="tpu")
         with pytest.raises(torch.OutOfMemoryError):
             (big + 1).sum().item()
+
+
+def _programs_run() -> int:
+    return fused.executor.stats["program_cache_hits"] + fused.executor.stats["programs_compiled"]
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_read_runs_what_it_needs_first_and_the_rest_behind_it(monkeypatch, split):
+    monkeypatch.setattr(fused, "SPLIT_AT_READ", split)
+    x = torch.randn(16, 8, device="tpu")
+    w = torch.randn(8, 8, device="tpu")
+    cx, cw = x.cpu(), w.cpu()
+    with torch.tpu.set_eager_mode(DEFER):
+        h = x @ w  # needed by the loss and, after `del h`, only inside the graph by `update`
+        loss = h.tanh().sum()
+        update = w - 0.1 * (x.t() @ h)  # the "backward and step": not needed for the loss
+        other = x.exp()  # needed by nothing the read wants
+        del h
+        before = _programs_run()
+        value = loss.item()
+        assert _programs_run() - before == (2 if split else 1)
+        assert fused.pending_graph() == []
+        for t in (update, other):  # the rest was dispatched too: values, not pending nodes
+            array = getattr(t.untyped_storage(), "_jax")
+            assert isinstance(array, jax.Array) or array.value is not None
+    ch = cx @ cw
+    assert value == pytest.approx(ch.tanh().sum().item(), rel=1e-5)
+    assert_close(update.cpu(), cw - 0.1 * (cx.t() @ ch))
+    assert_close(other.cpu(), cx.exp())
+
+
+def test_a_split_read_of_a_view_and_its_repeat_hit_the_cache():
+    x = torch.randn(6, 4, device="tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        values = []
+        for _ in range(3):
+            y = x * 2
+            rest = y + 1
+            values.append(y[1:, 2].sum().item())  # a strided view: its gather is part of the read
+            values.append(rest.cpu())
+        compiled = fused.executor.stats["programs_compiled"]
+        y = x * 2
+        rest = y + 1
+        y[1:, 2].sum().item()
+        assert fused.executor.stats["programs_compiled"] == compiled
+    expected = (x.cpu() * 2)[1:, 2].sum().item()
+    assert values[0] == pytest.approx(expected, rel=1e-6) and values[4] == pytest.approx(expected, rel=1e-6)
+    assert_close(values[5], x.cpu() * 2 + 1)

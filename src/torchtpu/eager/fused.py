@@ -19,26 +19,35 @@ import weakref
 from collections import Counter
 
 import jax
+import numpy as np
 
 from torchtpu.device import bridge
 from torchtpu.runtime import errors
 
 MAX_NODES = 4096
+# Run what a read needs first and the rest behind it (see ``FusedExecutor.flush``).
+SPLIT_AT_READ = True
 
 
 class Deferred:
     """A value that a pending node will produce."""
 
-    __slots__ = ("graph", "node", "index", "shape", "dtype", "weak_type", "value", "__weakref__")
+    __slots__ = ("graph", "ref", "shape", "dtype", "weak_type", "key", "value", "__weakref__")
 
-    def __init__(self, graph, node: int, index: int, aval):
+    def __init__(self, graph, node: int, index: int, key: tuple):
         self.graph = graph
-        self.node = node
-        self.index = index
-        self.shape = tuple(aval.shape)
-        self.dtype = aval.dtype
-        self.weak_type = getattr(aval, "weak_type", False)
+        self.ref = ("v", node, index)  # how the graph's program reads it
+        self.key = key  # (shape, dtype, weak_type): its part of a jit key
+        self.shape, self.dtype, self.weak_type = key
         self.value = None
+
+    @property
+    def node(self) -> int:
+        return self.ref[1]
+
+    @property
+    def index(self) -> int:
+        return self.ref[2]
 
     @property
     def ndim(self) -> int:
@@ -66,6 +75,7 @@ class _Graph:
         self.nodes: list[tuple] = []  # (fn, arg refs, number of outputs)
         self.inputs: list = []  # concrete arrays and Python numbers fed to the program
         self.input_ids: dict[int, int] = {}  # id(array) → input position (arrays only)
+        self.scalar_ids: dict = {}  # (type, value) → input position: a literal used by many ops is one input
         self.outputs: list[list[weakref.ref]] = []  # per node, weakrefs to its Deferreds
         self.holders: list = []  # keeps input arrays alive while their id is used as a key
 
@@ -75,12 +85,21 @@ class _Graph:
                 return self._input(arg.value)
             if arg.graph is not self:
                 raise RuntimeError("tpu: a deferred value from another graph was used")
-            return ("v", arg.node, arg.index)
+            return arg.ref
         if isinstance(arg, jax.Array):
             return self._input(arg)
-        # Python numbers and numpy scalars: dynamic inputs (their type stays in the jit key)
-        self.inputs.append(arg)
-        return ("in", len(self.inputs) - 1)
+        return self.scalar(arg)
+
+    def scalar(self, value):
+        """A Python number or numpy scalar: a dynamic input (its type stays in the jit key).
+        Equal values of one type share an input: a training step's ``0.5``s and ``1.0``s would
+        otherwise be a hundred program arguments, each converted on every run."""
+        key = (value.__class__, value if value else repr(value))  # 0.0 and -0.0 stay apart
+        pos = self.scalar_ids.get(key)
+        if pos is None:
+            pos = self.scalar_ids[key] = len(self.inputs)
+            self.inputs.append(value)
+        return ("in", pos)
 
     def _input(self, array):
         pos = self.input_ids.get(id(array))
@@ -92,14 +111,6 @@ class _Graph:
 
 
 _avals_cache: dict = {}
-
-
-def _aval_key(arg):
-    if arg.__class__ is Deferred:
-        return (arg.shape, arg.dtype, arg.weak_type)
-    if isinstance(arg, jax.Array):
-        return (arg.shape, arg.dtype, arg.weak_type)
-    return type(arg)
 
 
 def _spec(arg):
@@ -119,34 +130,62 @@ class FusedExecutor:
         self.programs: dict = {}
         self.materializations: Counter = Counter()
         self.stats = Counter()
+        self.ops_recorded = 0  # a plain int on the hot path; reported in ``stats``
 
     # ------------------------------------------------------------ recording
     def record(self, kernel, fn, dyn):
         return self.call(fn, *dyn)
 
     def call(self, fn, *args):
+        # The hot path of the mode (every eager op): one pass over the arguments builds both the
+        # node's references and its shape key; output avals come from a cache after the first call.
         with self.lock:
-            key = (fn, tuple(_aval_key(a) for a in args))
-            out_avals = _avals_cache.get(key)
-            if out_avals is None:
-                out_avals = _avals_cache[key] = jax.eval_shape(fn, *[_spec(a) for a in args])
             graph = self.graph
-            refs = tuple(graph.ref(a) for a in args)
+            keys = []
+            refs = []
+            for a in args:
+                if a.__class__ is Deferred:
+                    keys.append(a.key)
+                    refs.append(a.ref if a.value is None and a.graph is graph else graph.ref(a))
+                elif isinstance(a, jax.Array):
+                    keys.append((a.shape, a.dtype, a.weak_type))
+                    refs.append(graph._input(a))
+                elif a.__class__ is np.ndarray:  # a CPU 0-d tensor's value joining a tpu op
+                    keys.append((a.shape, a.dtype, False))
+                    graph.inputs.append(a)
+                    refs.append(("in", len(graph.inputs) - 1))
+                else:  # Python numbers and numpy scalars: dynamic inputs (their type is in the key)
+                    keys.append(type(a))
+                    refs.append(graph.scalar(a))
+            key = (fn, tuple(keys))
+            info = _avals_cache.get(key)
+            if info is None:
+                out_avals = jax.eval_shape(fn, *[_spec(a) for a in args])
+                single = not isinstance(out_avals, (tuple, list))
+                info = _avals_cache[key] = (single, isinstance(out_avals, tuple), [
+                    (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+                    for aval in ([out_avals] if single else out_avals)])
+            single, is_tuple, flat = info
             node = len(graph.nodes)
-            single = not isinstance(out_avals, (tuple, list))
-            flat = [out_avals] if single else list(out_avals)
-            graph.nodes.append((fn, refs, len(flat)))
-            outs = [Deferred(graph, node, i, aval) for i, aval in enumerate(flat)]
+            graph.nodes.append((fn, tuple(refs), len(flat)))
+            outs = [Deferred(graph, node, i, k) for i, k in enumerate(flat)]
             graph.outputs.append([weakref.ref(d) for d in outs])
-            self.stats["ops_recorded"] += 1
-            if len(graph.nodes) >= MAX_NODES:
+            self.ops_recorded += 1
+            if node + 1 >= MAX_NODES:
                 self.flush("graph_size")
             if single:
                 return outs[0]
-            return tuple(outs) if isinstance(out_avals, tuple) else list(outs)
+            return tuple(outs) if is_tuple else outs
 
     # ------------------------------------------------------------ running
-    def flush(self, reason: str) -> None:
+    def flush(self, reason: str, wanted=()) -> None:
+        """Run the pending nodes whose values are still referenced.
+
+        ``wanted``: the values the caller is about to read (``.item()``'s tensor). The nodes they
+        need run first, as one program the caller waits for; the rest (a training step's
+        backward and update, after ``loss.item()``) runs as a second program, dispatched without
+        waiting, so it computes while Python records the next step.
+        """
         with self.lock:
             graph = self.graph
             if not graph.nodes:
@@ -154,29 +193,48 @@ class FusedExecutor:
             self.graph = _Graph()
             live = [(n, i, r()) for n, refs in enumerate(graph.outputs) for i, r in enumerate(refs)]
             live = [(n, i, d) for n, i, d in live if d is not None]
-            needed = _needed_nodes(graph, {n for n, _, _ in live})
-            structure = (tuple((graph.nodes[n][0], graph.nodes[n][1], graph.nodes[n][2]) for n in needed),
-                         tuple((n, i) for n, i, _ in live))
-            program = self.programs.get(structure)
-            if program is None:
-                program = self.programs[structure] = _build(graph, needed, [(n, i) for n, i, _ in live])
-                self.stats["programs_compiled"] += 1
-            else:
-                self.stats["program_cache_hits"] += 1
             self.materializations[reason] += 1
             _count_materialization(reason)
-            start = time.perf_counter()
-            try:
-                results = program(*graph.inputs)
-            except jax.errors.JaxRuntimeError as exc:
-                names = ", ".join(sorted({getattr(graph.nodes[n][0], "__name__", "?") for n in needed})[:8])
-                what = f"a fused program of {len(needed)} ops ({names}) run for {reason}"
-                if errors.is_out_of_memory(exc):
-                    raise errors.out_of_memory(exc, None, what) from None
-                raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
-            self.stats["run_seconds"] += time.perf_counter() - start
-            for (_, _, deferred), value in zip(live, results):
-                deferred.value = value
+            first = {d.ref[1] for d in wanted if d.__class__ is Deferred and d.value is None and d.graph is graph} \
+                if SPLIT_AT_READ else set()
+            needed = _needed_nodes(graph, {n for n, _, _ in live} | first)
+            head = _needed_nodes(graph, first) if first else needed
+            if len(head) == len(needed):
+                self._run(graph, needed, live, (), (), (), reason)
+                return
+            in_head = set(head)
+            tail = [n for n in needed if n not in in_head]
+            # the head's values the tail reads: outputs of the first program, inputs of the second
+            boundary = sorted({(r[1], r[2]) for n in tail for r in graph.nodes[n][1] if r[0] == "v" and r[1] in in_head})
+            values = self._run(graph, head, [x for x in live if x[0] in in_head], boundary, (), (), reason)
+            self._run(graph, tail, [x for x in live if x[0] not in in_head], (), boundary, values, reason)
+
+    def _run(self, graph: _Graph, nodes: list[int], live: list, extra: list, externals: list,
+             external_values, reason: str) -> list:
+        """Run ``nodes`` as one cached program; set the ``live`` Deferreds' values and return the
+        values of ``extra`` (more (node, index) outputs). ``externals`` are (node, index) values
+        computed by an earlier program, passed in as ``external_values``."""
+        outputs = [(n, i) for n, i, _ in live] + list(extra)
+        structure = (tuple([graph.nodes[n] for n in nodes]), tuple(outputs), tuple(externals), len(graph.inputs))
+        program = self.programs.get(structure)
+        if program is None:
+            program = self.programs[structure] = _build(graph, nodes, outputs, externals)
+            self.stats["programs_compiled"] += 1
+        else:
+            self.stats["program_cache_hits"] += 1
+        start = time.perf_counter()
+        try:
+            results = program(*graph.inputs, *external_values)
+        except jax.errors.JaxRuntimeError as exc:
+            names = ", ".join(sorted({getattr(graph.nodes[n][0], "__name__", "?") for n in nodes})[:8])
+            what = f"a fused program of {len(nodes)} ops ({names}) run for {reason}"
+            if errors.is_out_of_memory(exc):
+                raise errors.out_of_memory(exc, None, what) from None
+            raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
+        self.stats["run_seconds"] += time.perf_counter() - start
+        for (_, _, deferred), value in zip(live, results):
+            deferred.value = value
+        return results[len(live):]
 
     def enter(self) -> None:
         """Start recording: the bridge's jitted calls now come here."""
@@ -209,16 +267,18 @@ def _needed_nodes(graph: _Graph, roots: set[int]) -> list[int]:
     return sorted(needed)
 
 
-def _build(graph: _Graph, needed: list[int], outputs: list[tuple[int, int]]):
+def _build(graph: _Graph, needed: list[int], outputs: list[tuple[int, int]], externals=()):
     nodes = [(n, graph.nodes[n]) for n in needed]
+    first_external = len(graph.inputs)
 
     def program(*inputs):
-        env: dict[int, tuple] = {}
+        env: dict[tuple[int, int], object] = {ref: inputs[first_external + k] for k, ref in enumerate(externals)}
         for n, (fn, refs, _) in nodes:
-            args = [inputs[r[1]] if r[0] == "in" else env[r[1]][r[2]] for r in refs]
+            args = [inputs[r[1]] if r[0] == "in" else env[(r[1], r[2])] for r in refs]
             out = fn(*args)
-            env[n] = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        return [env[n][i] for n, i in outputs]
+            for i, value in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                env[(n, i)] = value
+        return [env[ref] for ref in outputs]
 
     return jax.jit(program)
 
@@ -241,4 +301,4 @@ def pending_graph() -> list[str]:
 
 def stats() -> dict:
     return {"materializations": dict(executor.materializations), **executor.stats,
-            "programs_cached": len(executor.programs)}
+            "ops_recorded": executor.ops_recorded, "programs_cached": len(executor.programs)}

@@ -81,10 +81,11 @@ def _require_fused() -> None:
         raise NotImplementedError("EagerMode.DEFER_AND_FUSE is not available in this build of torchtpu")
 
 
-def flush(reason: str) -> None:
-    """Run any pending deferred work (a no-op outside DEFER_AND_FUSE)."""
+def flush(reason: str, wanted=()) -> None:
+    """Run any pending deferred work (a no-op outside DEFER_AND_FUSE); what ``wanted`` (deferred
+    values about to be read) needs runs first, the rest without the caller waiting for it."""
     if fused_executor is not None:
-        fused_executor.flush(reason)
+        fused_executor.flush(reason, wanted)
 
 
 def install_fused(executor) -> None:

@@ -49,11 +49,19 @@ def to_device(t: torch.Tensor, index: int) -> jax.Array:
     return jax.device_put(np.array(array, copy=True), platform.jax_device(index))
 
 
+def read_now(t: torch.Tensor, reason: str) -> jax.Array:
+    """``t``'s elements as a concrete array. In DEFER_AND_FUSE, the pending work ``t`` needs runs
+    first and the caller waits only for that; the rest runs behind it."""
+    if not bridge.deferring:
+        return bridge.concrete(t)
+    value = bridge.read(t)
+    modes.flush(reason, wanted=(value,))
+    return value.materialize() if isinstance(value, bridge.LAZY_TYPES) else value
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A ``tpu`` tensor's values as a new CPU tensor."""
-    if bridge.deferring:
-        modes.flush("transfer_to_host")
-    array = np.asarray(bridge.concrete(t))
+    array = np.asarray(read_now(t, "transfer_to_host"))
     metrics.count_transfer("to_host", array.nbytes)
     return numpy_to_host(array, t.dtype).reshape(t.shape)
 
@@ -129,9 +137,7 @@ def _current_device() -> int:
 
 
 def _local_scalar_dense(self):
-    if bridge.deferring:
-        modes.flush("item")
-    return bridge.concrete(self).item()
+    return read_now(self, "item").item()
 
 
 def equal(self, other) -> bool:
