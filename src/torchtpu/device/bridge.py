@@ -126,12 +126,12 @@ _DEVICES: dict[int, torch.device] = {}
 def new_storage(nbytes: int, index: int):
     """A fresh, fixed-size ``tpu:index`` storage of ``nbytes`` bytes (no data attached)."""
     global _next_address
-    with _address_lock:
-        address = _next_address
-        _next_address += (nbytes // 64 + 2) * 64
     device = _DEVICES.get(index)
     if device is None:
         device = _DEVICES[index] = torch.device("tpu", index)
+    with _address_lock:
+        address = _next_address
+        _next_address += (nbytes // 64 + 2) * 64
     return _new_storage(address, device, nbytes)
 
 
@@ -174,7 +174,7 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     shape = array.shape
     dtype = TORCH_OF[array.dtype]
     storage = new_storage(math.prod(shape) * dtype.itemsize, index)
-    t = _shell(dtype, index)
+    t = _create_empty(_EMPTY, dtype) if index == 0 else _shell(dtype, index)
     _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
     storage._jax = array
     return t

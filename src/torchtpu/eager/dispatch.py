@@ -27,6 +27,8 @@ from torchtpu import metrics
 
 _TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
 _PY_SCALARS = (bool, int, float, complex)
+_PLAIN_TENSOR = torch.Tensor
+_op_counts = metrics.ops  # metrics.count_op, inlined on the hot path
 
 
 class _Dyn:
@@ -130,11 +132,23 @@ class Call:
     def __init__(self, sig: _Signature, args, kwargs, concrete: bool = False):
         dyn: list = []
         self.device = None
-        self.read = bridge.concrete if concrete else bridge.read
+        self.read = read = bridge.concrete if concrete else bridge.read
         kinds = sig.positional
         nkinds = len(kinds)
         take = self._take
-        positional = tuple([take(kinds[i] if i < nkinds else _STATIC, a, dyn) for i, a in enumerate(args)])
+        positional = []
+        for i, a in enumerate(args):
+            kind = kinds[i] if i < nkinds else _STATIC
+            if a.__class__ is _PLAIN_TENSOR and (kind == _TENSOR or kind == _SCALAR):
+                # the common case inline: a plain tensor on this call's tpu device
+                index = a.get_device()
+                if index >= 0 and (self.device is None or self.device == index):
+                    self.device = index
+                    dyn.append(read(a))
+                    positional.append(DYN)
+                    continue
+            positional.append(take(kind, a, dyn))
+        positional = tuple(positional)
         keyword = tuple([(name, take(sig.keyword.get(name, _STATIC), a, dyn)) for name, a in kwargs.items()]) \
             if kwargs else ()
         self.key = (positional, keyword)
@@ -245,18 +259,22 @@ class Kernel:
 
     def arrays(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
-        if not self.lowering.jit and bridge.deferring:
+        lowering = self.lowering
+        if not lowering.jit and bridge.deferring:
             modes.flush("data_dependent")  # the output shape depends on values: they must exist
             call = Call(self.sig, args, kwargs, concrete=True)
         else:
             call = Call(self.sig, args, kwargs)
-        index = _device_index(call, kwargs, self.sig)
-        factory = call.device is None
-        fn = self.compiled(call.key, index if factory else None)
+        index = call.device
+        if index is None:  # a factory: the device comes from its arguments or the current one
+            index = _device_index(call, kwargs, self.sig)
+            fn = self.compiled(call.key, index)
+        else:
+            fn = self._jitted.get((call.key, None)) or self.compiled(call.key, None)
         dyn = call.dyn
-        if self.lowering.random:
+        if lowering.random:
             dyn = (*rng.next_key_args(index), *dyn)
-        metrics.count_op(self.name)
+        _op_counts[self.name] += 1
         return index, modes.execute(self, fn, dyn, index)
 
     def __call__(self, *args, **kwargs):
