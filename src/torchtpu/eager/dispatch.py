@@ -161,7 +161,7 @@ class Call:
             if isinstance(a, torch.Tensor):
                 dyn.append(self._array(a))
             elif isinstance(a, _PY_SCALARS):
-                dyn.append(a)  # JAX passes it weakly typed: a Python number to the lowering
+                dyn.append(_scalar(a))  # weakly typed: a Python number to the lowering
             else:
                 return _freeze(a)
             return DYN
@@ -193,8 +193,41 @@ class Call:
             return self.read(t)
         if t.dim() == 0 and t.device.type == "cpu":
             # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
-            return np.asarray(t.item(), dtype=bridge.TORCH_JAX[t.dtype])
+            return _host_scalar(t.item(), t.dtype)
         raise device_mismatch(torch.device("tpu", self.device or 0), t.device)
+
+
+# Scalars as cached device values: JAX converts a Python number or numpy scalar argument on every
+# call (2-3 us); a training step passes the same few literals (0.5, 1.0, lr) thousands of times.
+# Uncommitted 0-d arrays on the platform's first device, so they join an op on any tpu:N.
+
+def _zero_sign(value):
+    return repr(value) if value == 0 else None  # 0.0 and -0.0 are equal keys otherwise
+
+
+def _scalar(value):
+    """A Python number as a weakly typed 0-d array, as JAX would make it, from a bounded cache."""
+    try:
+        return _cached_scalar(type(value), value, _zero_sign(value))
+    except (OverflowError, TypeError):  # out of int64 range (PyTorch errors later) or unhashable
+        return value
+
+
+def _host_scalar(value, dtype: torch.dtype):
+    """A CPU 0-d tensor's value (joining a tpu op) as a 0-d array of its dtype, cached."""
+    return _cached_host_scalar(value, dtype, _zero_sign(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_scalar(kind, value, sign):
+    with jax.default_device(platform.jax_device(0)):
+        return jax.numpy.asarray(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_host_scalar(value, dtype, sign):
+    with jax.default_device(platform.jax_device(0)):
+        return jax.numpy.asarray(np.asarray(value, dtype=bridge.TORCH_JAX[dtype]))
 
 
 def transfer_to_device(t: torch.Tensor, index: int):
