@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax._src.array import ArrayImpl
 import numpy as np
 import torch
 from torch.fx import GraphModule, Node
@@ -36,6 +37,7 @@ _names = itertools.count()
 # helper: while dynamo's frame hook (PEP 523) is installed, a Python call keeps one more reference
 # to its arguments on the caller's stack, which made every buffer of a fullgraph step look shared.
 _SOLE_OWNER_REFS = 3
+_ARRAY = ArrayImpl  # a computed array (not a DEFER_AND_FUSE Deferred)
 
 
 @dataclass(frozen=True)
@@ -145,16 +147,23 @@ class CompiledGraph:
     def _read(self, args: list):
         index = _device_index(args)
         arrays, signature, statics, donate, seen = [], [], {}, [], set()
+        mutated = self.mutated
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                if a.device.type == "tpu":
-                    array = bridge.concrete(a)  # runs pending DEFER_AND_FUSE work first
+                device = a.get_device()
+                if device >= 0:
+                    array = getattr(a.untyped_storage(), bridge.ATTR, None)
+                    # the common case first: a tensor that owns its whole, already computed array
+                    whole = array.__class__ is _ARRAY and bridge._is_owner(a, array) \
+                        and array.dtype == bridge.TORCH_JAX.get(a.dtype) and not (a.is_conj() or a.is_neg())
+                    if not whole:
+                        array = bridge.concrete(a)  # a view, or pending DEFER_AND_FUSE work: run it
                     sole = sys.getrefcount(array) <= _SOLE_OWNER_REFS
-                    owned = sole and i in self.mutated and id(array) not in seen and _donatable(a, array)
+                    owned = whole and sole and i in mutated and id(array) not in seen
                     seen.add(id(array))
                     if owned:
                         donate.append(len(arrays))
-                    signature.append((array.shape, array.dtype, a.device.index or 0, owned))
+                    signature.append((array.shape, array.dtype, device, owned))
                 else:
                     array = transfer.to_device(a, index)  # a CPU tensor input (e.g. a CPU scalar tensor)
                     signature.append(("cpu", array.shape, array.dtype))
@@ -176,11 +185,6 @@ class CompiledGraph:
             else:
                 result.append(torch.from_numpy(np.array(next(it))))
         return result
-
-
-def _donatable(t: torch.Tensor, array) -> bool:
-    """Whether XLA may reuse ``array``'s buffer (which nothing but its storage holds): ``t`` owns it."""
-    return getattr(t.untyped_storage(), bridge.ATTR, None) is array and bridge._is_owner(t, array)
 
 
 def _write_back(t: torch.Tensor, value) -> None:
