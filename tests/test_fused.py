@@ -152,3 +152,15 @@ def test_a_split_read_of_a_view_and_its_repeat_hit_the_cache():
     expected = (x.cpu() * 2)[1:, 2].sum().item()
     assert values[0] == pytest.approx(expected, rel=1e-6) and values[4] == pytest.approx(expected, rel=1e-6)
     assert_close(values[5], x.cpu() * 2 + 1)
+
+
+def test_a_value_lost_to_a_failed_program_says_so_and_the_mode_keeps_working():
+    x = torch.randn(4, device="tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        big = torch.empty(2**40, device="tpu")
+        lost = big + 1  # pending, and part of the program that cannot run
+        with pytest.raises(torch.OutOfMemoryError):
+            (x + 1).sum().item()
+        with pytest.raises(RuntimeError, match="has no value: a fused program of .* failed"):
+            lost[:2].cpu()
+        assert_close((x * 2).cpu(), x.cpu() * 2)

@@ -64,7 +64,7 @@ class Deferred:
         if self.value is None:
             executor.flush("value_needed")
         if self.value is None:
-            raise RuntimeError("tpu: a deferred value was lost (its graph was discarded after an error)")
+            raise _lost(self)
         return self.value
 
 
@@ -78,13 +78,14 @@ class _Graph:
         self.scalar_ids: dict = {}  # (type, value) → input position: a literal used by many ops is one input
         self.outputs: list[list[weakref.ref]] = []  # per node, weakrefs to its Deferreds
         self.holders: list = []  # keeps input arrays alive while their id is used as a key
+        self.error: str | None = None  # what failed, if running this graph raised
 
     def ref(self, arg):
         if isinstance(arg, Deferred):
             if arg.value is not None:
                 return self._input(arg.value)
             if arg.graph is not self:
-                raise RuntimeError("tpu: a deferred value from another graph was used")
+                raise _lost(arg)
             return arg.ref
         if isinstance(arg, jax.Array):
             return self._input(arg)
@@ -228,6 +229,7 @@ class FusedExecutor:
         except jax.errors.JaxRuntimeError as exc:
             names = ", ".join(sorted({getattr(graph.nodes[n][0], "__name__", "?") for n in nodes})[:8])
             what = f"a fused program of {len(nodes)} ops ({names}) run for {reason}"
+            graph.error = what
             if errors.is_out_of_memory(exc):
                 raise errors.out_of_memory(exc, None, what) from None
             raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
@@ -251,6 +253,14 @@ class FusedExecutor:
     def pending(self) -> list[str]:
         """The recorded, not yet run ops, by name, in order."""
         return [getattr(fn, "__name__", repr(fn)) for fn, _, _ in self.graph.nodes]
+
+
+def _lost(value: Deferred) -> RuntimeError:
+    """The error for reading a value whose graph was discarded without computing it."""
+    if value.graph.error:
+        return RuntimeError(f"tpu: this tensor has no value: {value.graph.error} failed before computing it "
+                            f"(that error was raised then); recompute the tensor")
+    return RuntimeError("tpu: a deferred value was lost (its graph was discarded without running it)")
 
 
 def _needed_nodes(graph: _Graph, roots: set[int]) -> list[int]:
