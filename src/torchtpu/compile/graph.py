@@ -20,7 +20,7 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from torchtpu.ops import registry
+from torchtpu.ops import foreach, registry
 from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import rng
 
@@ -61,38 +61,11 @@ def _graph_lowering(op: OpOverload) -> Callable | None:
     return GRAPH_LOWERINGS.get(op) or PRIMS_LOWERINGS.get(schema.name) or _foreach(op)
 
 
-# _foreach_op overload → the per-tensor op's overload (optimizers' multi-tensor updates)
-_FOREACH_OVERLOADS = {"List": ("Tensor", "default"), "Tensor": ("Tensor", "default"),
-                      "Scalar": ("Scalar", "default"), "ScalarList": ("Scalar", "default"),
-                      "ScalarAndTensor": ("Scalar",), "default": ("default",)}
-
-
-@functools.cache
 def _foreach(op: OpOverload) -> Callable | None:
     """``_foreach_add.List(xs, ys)`` as ``[add.Tensor(x, y) for x, y in zip(xs, ys)]``."""
-    name = op._schema.name
-    if not name.startswith("aten::_foreach_") or name.endswith("_"):
+    if not op._schema.name.startswith("aten::_foreach_"):
         return None
-    packet = getattr(aten, name[len("aten::_foreach_"):], None)
-    overloads = packet.overloads() if packet is not None else []
-    base = next((getattr(packet, o) for o in _FOREACH_OVERLOADS.get(op._overloadname, ()) if o in overloads), None)
-    fn = None if base is None else (view_lowerings().get(base) or getattr(registry.LOWERINGS.get(base), "fn", None))
-    if fn is None:
-        return None
-    # foreach ops take positionally what their base op may take by keyword (addcmul's value)
-    npos = sum(not a.kwarg_only for a in base._schema.arguments)
-    keywords = [a.name for a in base._schema.arguments if a.kwarg_only]
-
-    def each(*args, **kwargs):
-        n = len(next(a for a in args if isinstance(a, (list, tuple))))
-        results = []
-        for i in range(n):
-            values = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-            extra = dict(zip(keywords, values[npos:]))
-            results.append(fn(*values[:npos], **extra, **kwargs))
-        return results
-
-    return each
+    return foreach.foreach_fn(op, tuple(view_lowerings().items()))
 
 
 def view_lowerings() -> dict[OpOverload, Callable]:

@@ -375,6 +375,104 @@ class MutatingKernel:
         return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig)
 
 
+class _ForeachLowering:
+    """What ``modes.execute`` reads of a kernel's lowering, for ``ForeachKernel``."""
+
+    jit = True
+    random = False
+
+
+class ForeachKernel:
+    """A functional ``_foreach_*`` overload: every element in one jitted call (``ops/foreach.py``).
+
+    PyTorch's own fallback for a new device loops in C++ over the per-tensor op, so an optimizer
+    step was one eager op per parameter per update term (AdamW on 29 parameters: 240 ops). Tensor
+    lists and scalar lists are dynamic (an optimizer's bias corrections change every step); other
+    arguments are static.
+    """
+
+    lowering = _ForeachLowering()
+
+    def __init__(self, op: OpOverload, each, static_scalars: bool = False):
+        self.op = op
+        self.each = each
+        self.name = str(op)
+        self.static_scalars = static_scalars
+        self.returns_none = len(op._schema.returns) == 0
+        self._jitted: dict = {}
+
+    def _take(self, a, dyn, devices):
+        if isinstance(a, torch.Tensor):
+            index = a.get_device()
+            if index >= 0:
+                if devices and devices[0] != index:
+                    raise device_mismatch(torch.device("tpu", devices[0]), a.device)
+                devices.append(index)
+                dyn.append(bridge.read(a))
+                return DYN
+            if a.dim() == 0 and a.device.type == "cpu":  # a CPU scalar tensor joins as a scalar
+                dyn.append(_host_scalar(a.item(), a.dtype))
+                return DYN
+            raise device_mismatch(torch.device("tpu", devices[0] if devices else 0), a.device)
+        if isinstance(a, (list, tuple)):
+            return TensorList(self._take(x, dyn, devices) for x in a)
+        if isinstance(a, _PY_SCALARS) and not self.static_scalars:
+            dyn.append(a)  # a Python number, weakly typed (scalar lists change every step: not cached)
+            return DYN
+        return _freeze(a)
+
+    def arrays(self, args, kwargs):
+        dyn: list = []
+        devices: list = []
+        key = (tuple(self._take(a, dyn, devices) for a in args),
+               tuple((name, self._take(a, dyn, devices)) for name, a in kwargs.items()))
+        if not devices:
+            raise RuntimeError(f"tpu: {self.name} got no tpu tensors")
+        fn = self._jitted.get(key)
+        if fn is None:
+            fn = self._jitted[key] = self._build(key)
+        _op_counts[self.name] += 1
+        return devices[0], modes.execute(self, fn, dyn, devices[0])
+
+    def _build(self, key):
+        each = self.each
+
+        def rebuild(k, it):
+            if k is DYN:
+                return next(it)
+            if isinstance(k, TensorList):
+                return [rebuild(x, it) for x in k]
+            return _thaw(k)
+
+        def run(*dyn):
+            it = iter(dyn)
+            args = [rebuild(k, it) for k in key[0]]
+            kwargs = {name: rebuild(k, it) for name, k in key[1]}
+            return list(each(*args, **kwargs))
+
+        run.__name__ = self.name.replace(".", "_")
+        return jax.jit(run)
+
+    def __call__(self, *args, **kwargs):
+        index, out = self.arrays(args, kwargs)
+        return [bridge.wrap(o, index) for o in out]
+
+
+class ForeachInplaceKernel:
+    """``_foreach_op_(self, ...)``: the functional foreach kernel's results written into ``self``."""
+
+    def __init__(self, functional: ForeachKernel):
+        self.functional = functional
+
+    def __call__(self, targets, *args, **kwargs):
+        _, out = self.functional.arrays((targets, *args), kwargs)
+        for t, value in zip(targets, out):
+            if value.dtype != bridge.TORCH_JAX[t.dtype]:
+                _check_cast(value.dtype, t.dtype, self.functional.name)
+        for t, value in zip(targets, out):
+            bridge.write(t, value)
+
+
 class OutKernel:
     """``op.out(..., out=...)``: the functional kernel's results written into the out tensors."""
 

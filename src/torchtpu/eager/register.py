@@ -8,7 +8,7 @@ from torch._ops import OpOverload
 
 from torchtpu import metrics
 from torchtpu.eager import dispatch, fallback, fused, modes, transfer, views
-from torchtpu.ops import registry
+from torchtpu.ops import foreach, registry
 
 aten = torch.ops.aten
 _libs: list[torch.library.Library] = []
@@ -74,9 +74,32 @@ def kernels() -> dict[OpOverload, object]:
             else:
                 out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
                 KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
+    KERNELS.update(_foreach_kernels())
     KERNELS.update(views.KERNELS)
     KERNELS.update(transfer.KERNELS)
     return KERNELS
+
+
+def _foreach_kernels() -> dict[OpOverload, object]:
+    """One kernel per ``_foreach_*`` overload (functional and in-place) whose per-tensor op is lowered."""
+    found: dict[OpOverload, object] = {}
+    names = sorted({n[len("aten::"):].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                    if n.startswith("aten::_foreach_")})
+    for name in names:
+        packet = getattr(aten, name)
+        inplace = name.endswith("_")
+        functional_packet = getattr(aten, name[:-1], None) if inplace else packet
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if functional_packet is None or overload not in functional_packet.overloads() or _composite(op):
+                continue
+            functional = getattr(functional_packet, overload)
+            each = foreach.foreach_fn(functional)
+            if each is None:
+                continue
+            kernel = dispatch.ForeachKernel(functional, each, foreach.static_scalars(functional))
+            found[op] = dispatch.ForeachInplaceKernel(kernel) if inplace else kernel
+    return found
 
 
 def install() -> None:

@@ -9,8 +9,22 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
 
-from torchtpu.ops.dtypes import promote
+from torchtpu.ops.dtypes import promote, to_torch_dtype
 from torchtpu.ops.registry import aten, lowering
+
+
+def _type_name(dtype) -> str:
+    """PyTorch's name of a dtype in kernel errors: 'Long', 'Int', 'Bool', ..."""
+    return str(to_torch_dtype(dtype)).removeprefix("torch.").replace("int64", "Long").replace(
+        "int32", "Int").replace("int16", "Short").replace("int8", "Char").replace("uint8", "Byte").replace(
+        "bool", "Bool")
+
+
+def _floating_or_complex(x, kernel: str) -> bool:
+    """True for a floating or complex array; PyTorch's CPU error for the others (its kernel has none)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return True
+    raise NotImplementedError(f'"{kernel}" not implemented for \'{_type_name(x.dtype)}\'')
 
 
 def _unary(kind: str, fn):
@@ -63,7 +77,7 @@ UNARY = {
     aten.floor: ("DEFAULT", lambda x: x if jnp.issubdtype(x.dtype, jnp.integer) else jnp.floor(x)),
     aten.ceil: ("DEFAULT", lambda x: x if jnp.issubdtype(x.dtype, jnp.integer) else jnp.ceil(x)),
     aten.trunc: ("DEFAULT", lambda x: x if jnp.issubdtype(x.dtype, jnp.integer) else jnp.trunc(x)),
-    aten.frac: ("DEFAULT", lambda x: x - jnp.trunc(x)),
+    aten.frac: ("DEFAULT", lambda x: x - jnp.trunc(x) if _floating_or_complex(x, "frac_cpu") else x),
     aten.sign: ("DEFAULT", _sign),
     aten.sgn: ("DEFAULT", _sign),
     aten.bitwise_not: ("DEFAULT", lambda x: jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.invert(x)),
@@ -275,6 +289,10 @@ _register_binary()
 
 def _with_alpha(sign: int):
     def lower(a, b, *, alpha=1):
+        if sign < 0 and (jnp.asarray(a).dtype == jnp.bool_ or jnp.asarray(b).dtype == jnp.bool_):
+            raise NotImplementedError(
+                "Subtraction, the `-` operator, with a bool tensor is not supported. If you are trying "
+                "to invert a mask, use the `~` or `logical_not()` operator instead.")
         compute, result = promote(a, b)
         a, b = jnp.asarray(a).astype(compute), jnp.asarray(b).astype(compute)
         if not (isinstance(alpha, (int, float)) and alpha == 1):
@@ -411,6 +429,13 @@ def addcmul(x, t1, t2, *, value=1):
 
 @lowering(aten.addcdiv.default)
 def addcdiv(x, t1, t2, *, value=1):
+    if not (jnp.issubdtype(t1.dtype, jnp.inexact) or jnp.issubdtype(t2.dtype, jnp.inexact)):
+        raise RuntimeError(
+            "Integer division with addcdiv is no longer supported, and in a future release addcdiv will "
+            "perform a true division of tensor1 and tensor2. The historic addcdiv behavior can be "
+            "implemented as (input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer "
+            "inputs and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior "
+            "is just the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.")
     compute, result = promote(x, t1, t2)
     x, t1, t2 = x.astype(compute), t1.astype(compute), t2.astype(compute)
     return (x + jnp.asarray(value).astype(compute) * (t1 / t2)).astype(result)
@@ -418,6 +443,7 @@ def addcdiv(x, t1, t2, *, value=1):
 
 def _lerp(start, end, weight):
     """PyTorch's two-sided formula (exact at both ends), in opmath."""
+    _floating_or_complex(start, "lerp_kernel_scalar" if jnp.ndim(weight) == 0 else "lerp_kernel_tensor")
     compute, result = promote(start, end, weight)
     start, end = start.astype(compute), end.astype(compute)
     weight = jnp.asarray(weight).astype(compute)

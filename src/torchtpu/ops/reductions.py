@@ -308,15 +308,25 @@ def _check_nonempty_norm(x, axes, ord) -> None:
 
 @lowering(aten.linalg_vector_norm.default, static_scalars=True)
 def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    _check_norm_input(x)  # even with a dtype, as PyTorch does
     if dtype is not None:
         x = x.astype(to_jax_dtype(dtype))
-    elif not (is_float(x.dtype) or is_complex(x.dtype)):
-        raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. "
-                           f"Got {_torch_name(x.dtype)}")
     return _vector_norm(x, float(ord), reduction_axes(x, dim), keepdim, np.dtype(x.dtype))
 
 
+def _check_norm_input(x) -> None:
+    if not (is_float(x.dtype) or is_complex(x.dtype)):
+        raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. "
+                           f"Got {_pretty_name(x.dtype)}")
+
+
+def _pretty_name(dtype) -> str:
+    return {"int64": "Long", "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte",
+            "bool": "Bool"}.get(_torch_name(dtype), _torch_name(dtype))
+
+
 def _norm(x, p, dim, keepdim, dtype):
+    _check_norm_input(x)
     p = 2.0 if p is None else float(p)
     x = x.astype(to_jax_dtype(dtype)) if dtype is not None else x
     return _vector_norm(x, p, reduction_axes(x, dim), keepdim, np.dtype(x.dtype))
