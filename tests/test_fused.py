@@ -113,6 +113,7 @@ def _programs_run() -> int:
 @pytest.mark.parametrize("split", [True, False])
 def test_a_read_runs_what_it_needs_first_and_the_rest_behind_it(monkeypatch, split):
     monkeypatch.setattr(fused, "SPLIT_AT_READ", split)
+    monkeypatch.setattr(fused, "SPLIT_MIN_NODES", 1)  # this graph's rest is a few ops
     x = torch.randn(16, 8, device="tpu")
     w = torch.randn(8, 8, device="tpu")
     cx, cw = x.cpu(), w.cpu()
@@ -135,7 +136,8 @@ def test_a_read_runs_what_it_needs_first_and_the_rest_behind_it(monkeypatch, spl
     assert_close(other.cpu(), cx.exp())
 
 
-def test_a_split_read_of_a_view_and_its_repeat_hit_the_cache():
+def test_a_split_read_of_a_view_and_its_repeat_hit_the_cache(monkeypatch):
+    monkeypatch.setattr(fused, "SPLIT_MIN_NODES", 1)
     x = torch.randn(6, 4, device="tpu")
     with torch.tpu.set_eager_mode(DEFER):
         values = []
@@ -164,3 +166,14 @@ def test_a_value_lost_to_a_failed_program_says_so_and_the_mode_keeps_working():
         with pytest.raises(RuntimeError, match="has no value: a fused program of .* failed"):
             lost[:2].cpu()
         assert_close((x * 2).cpu(), x.cpu() * 2)
+
+
+def test_a_read_with_little_else_pending_runs_one_program():
+    x = torch.randn(8, device="tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        y = x * 2
+        rest = y + 1  # one op besides what the read needs: not worth a second program
+        before = _programs_run()
+        y.sum().item()
+        assert _programs_run() - before == 1
+    assert_close(rest.cpu(), x.cpu() * 2 + 1)

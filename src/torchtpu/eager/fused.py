@@ -25,8 +25,11 @@ from torchtpu.device import bridge
 from torchtpu.runtime import errors
 
 MAX_NODES = 4096
-# Run what a read needs first and the rest behind it (see ``FusedExecutor.flush``).
+# Run what a read needs first and the rest behind it (see ``FusedExecutor.flush``), when the
+# rest has at least SPLIT_MIN_NODES nodes (a second program costs a dispatch: not worth it for a
+# few ops, e.g. a loop that reads a value after every handful of ops).
 SPLIT_AT_READ = True
+SPLIT_MIN_NODES = 16
 
 
 class Deferred:
@@ -200,7 +203,7 @@ class FusedExecutor:
                 if SPLIT_AT_READ else set()
             needed = _needed_nodes(graph, {n for n, _, _ in live} | first)
             head = _needed_nodes(graph, first) if first else needed
-            if len(head) == len(needed):
+            if len(needed) - len(head) < max(SPLIT_MIN_NODES, 1):
                 self._run(graph, needed, live, (), (), (), reason)
                 return
             in_head = set(head)
