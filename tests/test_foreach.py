@@ -47,10 +47,19 @@ def _check(variant, samples):
         assert_close(_to(actual, "cpu"), expected, equal_nan=True, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.usefixtures("each_eager_mode", "no_fallback")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=["float32", "int64"])
+# int64 mostly checks errors and promotion, which do not depend on the eager mode: DEFER_NEVER only
+CASES = [("DEFER_NEVER", torch.float32), ("DEFER_AND_FUSE", torch.float32), ("DEFER_NEVER", torch.int64)]
+
+
+@pytest.mark.usefixtures("no_fallback")
+@pytest.mark.parametrize("mode,dtype", CASES, ids=[f"{m}-{str(d).removeprefix('torch.')}" for m, d in CASES])
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
-def test_foreach_op_matches_cpu(op, dtype):
+def test_foreach_op_matches_cpu(op, mode, dtype):
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        _check_op(op, dtype)
+
+
+def _check_op(op, dtype):
     if dtype not in op.supported_dtypes("cpu"):
         pytest.skip(f"{op.name} does not support {dtype} on the CPU")
     samples = []
