@@ -37,7 +37,6 @@ _names = itertools.count()
 # helper: while dynamo's frame hook (PEP 523) is installed, a Python call keeps one more reference
 # to its arguments on the caller's stack, which made every buffer of a fullgraph step look shared.
 _SOLE_OWNER_REFS = 3
-_ARRAY = ArrayImpl  # a computed array (not a DEFER_AND_FUSE Deferred)
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,8 @@ class CompiledGraph:
                 if device >= 0:
                     array = getattr(a.untyped_storage(), bridge.ATTR, None)
                     # the common case first: a tensor that owns its whole, already computed array
-                    whole = array.__class__ is _ARRAY and bridge._is_owner(a, array) \
-                        and array.dtype == bridge.TORCH_JAX.get(a.dtype) and not (a.is_conj() or a.is_neg())
+                    whole = array.__class__ is ArrayImpl and bridge.reads_whole(a, array) \
+                        and not (a.is_conj() or a.is_neg())  # (ArrayImpl: computed, not a Deferred)
                     if not whole:
                         array = bridge.concrete(a)  # a view, or pending DEFER_AND_FUSE work: run it
                     sole = sys.getrefcount(array) <= _SOLE_OWNER_REFS

@@ -61,6 +61,7 @@ def _graph_lowering(op: OpOverload) -> Callable | None:
     return GRAPH_LOWERINGS.get(op) or PRIMS_LOWERINGS.get(schema.name) or _foreach(op)
 
 
+@functools.cache
 def _foreach(op: OpOverload) -> Callable | None:
     """``_foreach_add.List(xs, ys)`` as ``[add.Tensor(x, y) for x, y in zip(xs, ys)]``."""
     if not op._schema.name.startswith("aten::_foreach_"):

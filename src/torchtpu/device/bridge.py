@@ -174,7 +174,7 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     shape = array.shape
     dtype = TORCH_OF[array.dtype]
     storage = new_storage(math.prod(shape) * dtype.itemsize, index)
-    t = _create_empty(_EMPTY, dtype) if index == 0 else _shell(dtype, index)
+    t = _shell(dtype, index)
     _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
     storage._jax = array
     return t
@@ -182,6 +182,11 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
 
 def _is_owner(t: torch.Tensor, array) -> bool:
     return array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()
+
+
+def reads_whole(t: torch.Tensor, array) -> bool:
+    """Whether ``t``'s elements are its storage's ``array`` as it is (no gather or cast)."""
+    return _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype)
 
 
 def read(t: torch.Tensor) -> jax.Array:
@@ -192,7 +197,7 @@ def read(t: torch.Tensor) -> jax.Array:
         array = _allocate(t, storage)
     elif isinstance(array, LAZY_TYPES) and not deferring:
         array = array.materialize()
-    if _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype):
+    if reads_whole(t, array):
         value = array
     else:
         value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), to_jax_dtype(t.dtype)),

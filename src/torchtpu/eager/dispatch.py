@@ -398,24 +398,14 @@ class ForeachKernel:
         self.each = each
         self.name = str(op)
         self.static_scalars = static_scalars
-        self.returns_none = len(op._schema.returns) == 0
         self._jitted: dict = {}
 
-    def _take(self, a, dyn, devices):
-        if isinstance(a, torch.Tensor):
-            index = a.get_device()
-            if index >= 0:
-                if devices and devices[0] != index:
-                    raise device_mismatch(torch.device("tpu", devices[0]), a.device)
-                devices.append(index)
-                dyn.append(bridge.read(a))
-                return DYN
-            if a.dim() == 0 and a.device.type == "cpu":  # a CPU scalar tensor joins as a scalar
-                dyn.append(_host_scalar(a.item(), a.dtype))
-                return DYN
-            raise device_mismatch(torch.device("tpu", devices[0] if devices else 0), a.device)
+    def _take(self, a, dyn, reader: Call):
+        if isinstance(a, torch.Tensor):  # read as any op reads it (device checks, CPU scalars)
+            dyn.append(reader._array(a))
+            return DYN
         if isinstance(a, (list, tuple)):
-            return TensorList(self._take(x, dyn, devices) for x in a)
+            return TensorList(self._take(x, dyn, reader) for x in a)
         if isinstance(a, _PY_SCALARS) and not self.static_scalars:
             dyn.append(a)  # a Python number, weakly typed (scalar lists change every step: not cached)
             return DYN
@@ -423,16 +413,17 @@ class ForeachKernel:
 
     def arrays(self, args, kwargs):
         dyn: list = []
-        devices: list = []
-        key = (tuple(self._take(a, dyn, devices) for a in args),
-               tuple((name, self._take(a, dyn, devices)) for name, a in kwargs.items()))
-        if not devices:
+        reader = Call.__new__(Call)  # its argument reader only
+        reader.device, reader.read = None, bridge.read
+        key = (tuple(self._take(a, dyn, reader) for a in args),
+               tuple((name, self._take(a, dyn, reader)) for name, a in kwargs.items()))
+        if reader.device is None:
             raise RuntimeError(f"tpu: {self.name} got no tpu tensors")
         fn = self._jitted.get(key)
         if fn is None:
             fn = self._jitted[key] = self._build(key)
         _op_counts[self.name] += 1
-        return devices[0], modes.execute(self, fn, dyn, devices[0])
+        return reader.device, modes.execute(self, fn, dyn, reader.device)
 
     def _build(self, key):
         each = self.each

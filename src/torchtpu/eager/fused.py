@@ -19,7 +19,6 @@ import weakref
 from collections import Counter
 
 import jax
-import numpy as np
 
 from torchtpu.device import bridge
 from torchtpu.runtime import errors
@@ -98,11 +97,16 @@ class _Graph:
         """A Python number or numpy scalar: a dynamic input (its type stays in the jit key).
         Equal values of one type share an input: a training step's ``0.5``s and ``1.0``s would
         otherwise be a hundred program arguments, each converted on every run."""
-        key = (value.__class__, value if value else repr(value))  # 0.0 and -0.0 stay apart
-        pos = self.scalar_ids.get(key)
+        try:
+            key = (value.__class__, value if value else repr(value))  # 0.0 and -0.0 stay apart
+            pos = self.scalar_ids.get(key)
+        except (TypeError, ValueError):  # not a hashable scalar (an array): an input of its own
+            key = pos = None
         if pos is None:
-            pos = self.scalar_ids[key] = len(self.inputs)
+            pos = len(self.inputs)
             self.inputs.append(value)
+            if key is not None:
+                self.scalar_ids[key] = pos
         return ("in", pos)
 
     def _input(self, array):
@@ -154,10 +158,6 @@ class FusedExecutor:
                 elif isinstance(a, jax.Array):
                     keys.append((a.shape, a.dtype, a.weak_type))
                     refs.append(graph._input(a))
-                elif a.__class__ is np.ndarray:  # a CPU 0-d tensor's value joining a tpu op
-                    keys.append((a.shape, a.dtype, False))
-                    graph.inputs.append(a)
-                    refs.append(("in", len(graph.inputs) - 1))
                 else:  # Python numbers and numpy scalars: dynamic inputs (their type is in the key)
                     keys.append(type(a))
                     refs.append(graph.scalar(a))

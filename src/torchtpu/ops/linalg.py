@@ -505,21 +505,22 @@ def linalg_pinv(A, *, atol=None, rtol=None, hermitian=False):
 
 # ---------------------------------------------------------------- non-symmetric eigenproblem
 
-def _check_eig_platform(name: str) -> None:
+def _check_eig(A, name: str):
+    """The checks of eig and eigvals; returns their (complex) result dtype."""
     from torchtpu.runtime.platform import platform
 
+    _check_square(A, f"linalg.{name}")
+    _check_float(A, f"linalg.{name}")
     if platform() == "tpu":
-        raise NotImplementedError(f"{name}: XLA has no non-symmetric eigendecomposition on TPU (only on CPU "
-                                  f"and GPU); compute it on the host with {name}(A.cpu())")
+        raise NotImplementedError(f"torch.linalg.{name}: XLA has no non-symmetric eigendecomposition on TPU "
+                                  f"(only on CPU and GPU); compute it on the host with torch.linalg.{name}(A.cpu())")
+    return _complex_dtype(A.dtype)
 
 
 @lowering(aten.linalg_eig.default)
 def linalg_eig(A):
     """LAPACK's ``geev`` through XLA (CPU and GPU only): unit-norm eigenvectors, as PyTorch's CPU."""
-    _check_square(A, "linalg.eig")
-    _check_float(A, "linalg.eig")
-    _check_eig_platform("torch.linalg.eig")
-    dtype = _complex_dtype(A.dtype)
+    dtype = _check_eig(A, "eig")
     if A.size == 0:
         return jnp.zeros(A.shape[:-1], dtype), jnp.zeros(A.shape, dtype)
     w, v = lax.linalg.eig(A, compute_left_eigenvectors=False)
@@ -528,10 +529,7 @@ def linalg_eig(A):
 
 @lowering(aten._linalg_eigvals.default)
 def _linalg_eigvals(A):
-    _check_square(A, "linalg.eigvals")
-    _check_float(A, "linalg.eigvals")
-    _check_eig_platform("torch.linalg.eigvals")
-    dtype = _complex_dtype(A.dtype)
+    dtype = _check_eig(A, "eigvals")
     if A.size == 0:
         return jnp.zeros(A.shape[:-1], dtype)
     (w,) = lax.linalg.eig(A, compute_left_eigenvectors=False, compute_right_eigenvectors=False)
