@@ -21,6 +21,7 @@ def test_autoload_with_plain_import_torch():
 
 def test_device_module_basics():
     assert torch.tpu.is_available()
+    torch.ones(1, device="tpu")  # the runtime starts at first use (tests/test_lazy_start.py)
     assert torch.tpu.is_initialized()
     assert torch.tpu.device_count() == 4  # conftest asks XLA for 4 CPU devices
     assert torch.tpu.get_device_name() == "XLA:CPU"

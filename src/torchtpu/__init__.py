@@ -2,9 +2,15 @@
 
 ``import torch`` loads it through the ``torch.backends`` entry point (set
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` to turn that off); ``import torchtpu`` works as well.
+
+Importing registers the device and nothing more: no JAX import, no runtime. The runtime starts
+at the first ``tpu`` op (or a ``torch.tpu`` call that needs devices); the layers plug in then,
+through ``runtime.state.on_start`` below.
 """
 
 from __future__ import annotations
+
+import importlib
 
 
 def _autoload() -> None:
@@ -15,30 +21,40 @@ def _autoload() -> None:
     """
 
 
-import jax  # noqa: E402
-
-# torch's int64/float64 semantics need JAX's 64-bit mode: the one JAX setting torchtpu changes.
-jax.config.update("jax_enable_x64", True)
-
+from torchtpu import tpu_module as _tpu_module  # noqa: E402
+from torchtpu.compile import install as _install_compile  # noqa: E402
 from torchtpu.device.registration import register as _register  # noqa: E402
+from torchtpu.runtime import state as _state  # noqa: E402
 
 __version__ = "0.1.0"
 
-_register()
 
-import torch  # noqa: E402
+def _start_layers() -> None:
+    """What starting the runtime adds above it: the eager kernels and the compile caches."""
+    from torchtpu.compile import cache
+    from torchtpu.eager import register
 
-from torchtpu import compile as _compile  # noqa: E402
-from torchtpu import debug, metrics, profiler  # noqa: E402
-from torchtpu.eager.modes import EagerMode  # noqa: E402
-from torchtpu.memory import memory_summary  # noqa: E402
+    cache.install()  # before anything compiles
+    register.install()
 
-# The layers above the device plug into torch.tpu here, so nothing below reaches up.
-_compile.install()
-torch.tpu.compiler = _compile.compiler
-torch.tpu.debug = debug
-torch.tpu.profiler = profiler
-torch.tpu.memory_summary = memory_summary
+
+_register(_tpu_module.build())
+_install_compile()
+_state.on_start(_start_layers)
+
+# Public names whose modules import JAX: imported on first access.
+_LAZY = {"EagerMode": ("torchtpu.eager.modes", "EagerMode"), "memory_summary": ("torchtpu.memory", "memory_summary"),
+         "debug": ("torchtpu.debug", None), "metrics": ("torchtpu.metrics", None),
+         "profiler": ("torchtpu.profiler", None)}
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'torchtpu' has no attribute {name!r}") from None
+    value = importlib.import_module(module_name)
+    return value if attribute is None else getattr(value, attribute)
 
 
 __all__ = ["EagerMode", "debug", "memory_summary", "metrics", "profiler", "__version__"]

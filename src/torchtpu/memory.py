@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torchtpu.device import module as tpu
+from torchtpu import tpu_module as tpu
+from torchtpu.runtime import state
 
 _WIDTH = 49  # " Metric (21) | current (10) | peak (10) "
 
@@ -57,7 +58,7 @@ def _cell(stats: dict[str, Any], key: str | None, fmt, reference: int) -> str:
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     """A human-readable table of ``torch.tpu.memory_stats(device)``, like ``torch.cuda.memory_summary``."""
-    index = tpu._index(device)
+    index = state.device_index(device)
     stats = tpu.memory_stats(index)
     title = f"torchtpu memory summary, device ID {index} ({tpu.get_device_name(index)})"
     source = f"source: {_SOURCES.get(stats.get('source'), stats.get('source', '?'))}"

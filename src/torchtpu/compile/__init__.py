@@ -1,39 +1,53 @@
 """The ``tpu`` backend of ``torch.compile``, its caches and their statistics.
 
-``install()`` (run once when torchtpu is imported) registers the backend with dynamo as "tpu",
-makes ``torch.compile(fn)`` pick it for tpu tensors, and points JAX's persistent compilation
-cache at ``TORCHTPU_CACHE_DIR``. ``compiler`` is ``torch.tpu.compiler``.
+``install()`` (run once when torchtpu is imported) registers the backend with dynamo as "tpu"
+and makes ``torch.compile(fn)`` pick it for tpu tensors; ``cache.install()`` (run when the
+runtime starts) points JAX's persistent compilation cache at ``TORCHTPU_CACHE_DIR``.
+``compiler`` is ``torch.tpu.compiler``. Importing this package imports no JAX: ``import torch``
+runs ``install()``.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from torchtpu.compile import cache, introspect, recompiles, routing
+from torchtpu.compile import routing
 
 _installed = False
 
 
 def backend(gm, example_inputs, **kwargs):
     """The ``tpu`` backend (``torch.compile(fn, backend="tpu")``)."""
+    from torchtpu.compile import recompiles
     from torchtpu.compile.backend import backend as tpu_backend
 
     recompiles.count_new()
     return tpu_backend(gm, example_inputs, **kwargs)
 
 
-compiler = SimpleNamespace(
-    cache_stats=cache.cache_stats,
-    reset_stats=cache.reset_stats,
-    clear_cache=cache.clear_cache,
-    custom_compiler_options=cache.custom_compiler_options,
-    persistent_cache_dir=cache.persistent_cache_dir,
-    recompile_reasons=recompiles.recompile_reasons,
-    clear_recompile_reasons=recompiles.clear_recompile_reasons,
-    hlo=introspect.hlo,
-    cost_analysis=introspect.cost_analysis,
-    explain=introspect.explain,
-)
+def _compiler() -> SimpleNamespace:
+    from torchtpu.compile import cache, introspect, recompiles
+
+    return SimpleNamespace(
+        cache_stats=cache.cache_stats,
+        reset_stats=cache.reset_stats,
+        clear_cache=cache.clear_cache,
+        custom_compiler_options=cache.custom_compiler_options,
+        persistent_cache_dir=cache.persistent_cache_dir,
+        recompile_reasons=recompiles.recompile_reasons,
+        clear_recompile_reasons=recompiles.clear_recompile_reasons,
+        hlo=introspect.hlo,
+        cost_analysis=introspect.cost_analysis,
+        explain=introspect.explain,
+    )
+
+
+def __getattr__(name: str):
+    if name == "compiler":  # ``torch.tpu.compiler``: its modules import JAX, so built on first use
+        global compiler
+        compiler = _compiler()
+        return compiler
+    raise AttributeError(f"module 'torchtpu.compile' has no attribute {name!r}")
 
 
 def _register_with_dynamo() -> None:
@@ -53,7 +67,7 @@ def _register_with_dynamo() -> None:
 
 
 def install() -> None:
-    """Register the backend, the default routing and the persistent cache (idempotent).
+    """Register the backend and the default routing (idempotent).
 
     Importing dynamo takes seconds, so ``import torch`` does not pay for it: the backend is
     registered when dynamo is first imported (by ``torch.compile``), or now if it already is.
@@ -61,7 +75,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    cache.install()
     routing.guard_inductor()
     routing.after_import("torch._dynamo", _register_with_dynamo)
     _installed = True

@@ -28,8 +28,8 @@ from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import transfer
-from torchtpu.ops.dtypes import to_jax_dtype
-from torchtpu.runtime import platform, rng
+from torchtpu.runtime.dtypes import to_jax_dtype
+from torchtpu.runtime import platform, rng, state
 
 _names = itertools.count()
 # References an array held only by its storage has when counted in ``_read``: the storage's
@@ -204,6 +204,4 @@ def _device_index(args: list) -> int:
     for a in args:
         if isinstance(a, torch.Tensor) and a.device.type == "tpu":
             return a.device.index or 0
-    from torchtpu.device.module import current_device
-
-    return current_device()
+    return state.current_device()

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from torchtpu.ops import foreach, registry
-from torchtpu.ops.dtypes import to_jax_dtype
+from torchtpu.runtime.dtypes import to_jax_dtype
 from torchtpu.runtime import rng
 
 aten = torch.ops.aten

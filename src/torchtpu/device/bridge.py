@@ -23,8 +23,8 @@ from jax import lax
 import numpy as np
 import torch
 
-from torchtpu.ops.dtypes import to_jax_dtype
 from torchtpu.runtime import platform
+from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype
 
 _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
@@ -172,7 +172,7 @@ def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
 def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device)."""
     shape = array.shape
-    dtype = TORCH_OF[array.dtype]
+    dtype = JAX_TO_TORCH[array.dtype]
     storage = new_storage(math.prod(shape) * dtype.itemsize, index)
     t = _shell(dtype, index)
     _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
@@ -186,7 +186,7 @@ def _is_owner(t: torch.Tensor, array) -> bool:
 
 def reads_whole(t: torch.Tensor, array) -> bool:
     """Whether ``t``'s elements are its storage's ``array`` as it is (no gather or cast)."""
-    return _is_owner(t, array) and array.dtype == TORCH_JAX.get(t.dtype)
+    return _is_owner(t, array) and array.dtype == TORCH_TO_JAX.get(t.dtype)
 
 
 def read(t: torch.Tensor) -> jax.Array:
@@ -224,10 +224,6 @@ def concrete(t: torch.Tensor) -> jax.Array:
     """Like ``read``, but always a real ``jax.Array`` (runs pending deferred work if needed)."""
     array = read(t)
     return array.materialize() if isinstance(array, LAZY_TYPES) else array
-
-
-TORCH_JAX = {}  # torch dtype → numpy dtype
-TORCH_OF = {}  # numpy dtype → torch dtype
 
 
 def _allocate(t: torch.Tensor, storage) -> jax.Array:
@@ -408,12 +404,3 @@ def _scatter(array_shape, array_dtype, shape, strides, dtype):
         return _bitcast(flat, array_dtype).reshape(array_shape)
 
     return jax.jit(scatter)
-
-
-def _init_dtype_table():
-    from torchtpu.ops.dtypes import TORCH_TO_JAX
-    TORCH_JAX.update({k: np.dtype(v) for k, v in TORCH_TO_JAX.items()})
-    TORCH_OF.update({np.dtype(v): k for k, v in TORCH_TO_JAX.items()})
-
-
-_init_dtype_table()

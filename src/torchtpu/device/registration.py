@@ -1,23 +1,36 @@
-"""Makes ``tpu`` a PyTorch device: renames PrivateUse1, registers hooks, guard, ``torch.tpu``."""
+"""Makes ``tpu`` a PyTorch device: renames PrivateUse1, registers the hooks, the device guard,
+``torch.tpu`` and a boxed fallback that starts the runtime at first use.
+
+This runs during ``import torch`` (the autoload entry point), so it imports no JAX and starts
+nothing. The first op on the ``tpu`` key has no kernel yet and reaches the fallback, which
+starts the runtime (``runtime.state.start``: the eager layer registers its kernels then) and
+calls the op again. From then on the fallback serves only ops that have no kernel, through the
+handler the eager layer installs (``set_fallback``).
+"""
 
 from __future__ import annotations
 
-import torch
-from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+import warnings
+from typing import Callable
 
-from torchtpu.device import module as tpu_module
+import torch
+
 from torchtpu.device import serialization
-from torchtpu.runtime import platform
+from torchtpu.runtime import state
 
 _done = False
+_libs: list[torch.library.Library] = []
+_handler: Callable | None = None
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    """The Python hooks, used only where the C++ hooks (``runtime/native.py``) cannot be built."""
+
     def is_available(self) -> bool:
-        return tpu_module.is_available()
+        return state.is_available()
 
     def has_primary_context(self, dev_id) -> bool:
-        return True
+        return state.started()
 
     def is_built(self) -> bool:
         return True
@@ -28,22 +41,68 @@ class _Guard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
-def register() -> None:
-    """Register the ``tpu`` device and its kernels with PyTorch (idempotent)."""
+def set_fallback(handler: Callable | None) -> None:
+    """What the fallback does once the runtime has started (None: start it again on next use)."""
+    global _handler
+    _handler = handler
+
+
+def _fallback(op, *args, **kwargs):
+    handler = _handler
+    if handler is not None:
+        return handler(op, *args, **kwargs)
+    state.start()  # the process's first tpu op: start the runtime, which registers the kernels
+    if _handler is None:
+        raise RuntimeError(f"tpu: the runtime started but registered no kernels; cannot run {op}")
+    return op(*args, **kwargs)  # now its kernel runs, or this fallback's handler
+
+
+def _has_compatible_shallow_copy_type(self, other) -> bool:
+    """Whether ``other``'s TensorImpl can replace ``self``'s (``param.data = other``).
+
+    PyTorch answers True between dense tensors of its built-in backends only, so ``Module.to``
+    would build new Parameters for ``tpu`` instead of moving each in place: tied weights would
+    untie and an optimizer built before ``.to()`` would step stale copies. A dense ``tpu``
+    tensor is as compatible with a dense CPU/CUDA tensor as those are with each other.
+    """
+    if self.layout != torch.strided or other.layout != torch.strided:
+        return self.layout == other.layout and self.device.type == other.device.type
+    return self.device.type in _DENSE and other.device.type in _DENSE
+
+
+_DENSE = frozenset({"cpu", "cuda", "mps", "hip", "xpu", "hpu", "mtia", "tpu"})
+
+
+def _register_hooks() -> None:
+    from torchtpu.runtime import native
+
+    if native.register_hooks(state.is_available, lambda index: state.started()):
+        return
+    warnings.warn(f"torchtpu: the C++ device hooks are unavailable ({native.unavailable_reason()}); "
+                  "pin_memory() and pinned DataLoaders will not work on tpu", RuntimeWarning, stacklevel=2)
+    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+
+
+def register(module) -> None:
+    """Register the ``tpu`` device with PyTorch, ``module`` as ``torch.tpu`` (idempotent)."""
     global _done
     if _done:
         return
-    from torchtpu.eager import register as eager_register
-
-    if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "tpu"):
-        raise RuntimeError(
-            f"PrivateUse1 is already taken by '{torch._C._get_privateuse1_backend_name()}'; "
-            "torchtpu cannot also register the 'tpu' device in this process")
-    if torch._C._get_privateuse1_backend_name() == "privateuseone":
-        module = tpu_module.build()
-        _setup_privateuseone_for_python_backend("tpu", backend_module=module, hook=_Hooks(),
-                                                device_guard=_Guard())
-    eager_register.install()
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", "tpu"):
+        raise RuntimeError(f"PrivateUse1 is already taken by '{name}'; torchtpu cannot also register the "
+                           "'tpu' device in this process")
+    if name == "privateuseone":
+        # torch.utils.backend_registration._setup_privateuseone_for_python_backend, with our hooks
+        torch.utils.rename_privateuse1_backend("tpu")
+        torch.utils.generate_methods_for_privateuse1_backend()
+        torch._register_device_module("tpu", module)
+        _register_hooks()
+        torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type, "PrivateUse1")
+    fallback_lib = torch.library.Library("_", "IMPL")
+    fallback_lib.fallback(_fallback, "PrivateUse1")
+    _libs.extend([lib, fallback_lib])
     serialization.install()
-    platform.devices()
     _done = True

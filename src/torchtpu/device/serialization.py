@@ -8,12 +8,10 @@ locations (``torch.serialization.register_package``) that builds the storage our
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import torch
 
-from torchtpu.device import bridge
-from torchtpu.runtime import platform
+from torchtpu.runtime import state
 
 _PRIORITY = 5  # ahead of PyTorch's generic backend deserializer
 
@@ -21,17 +19,22 @@ _PRIORITY = 5  # ahead of PyTorch's generic backend deserializer
 def _tag(storage) -> str | None:
     device = storage.device
     if device.type == "tpu":
-        return f"tpu:{device.index or 0}"
+        return f"tpu:{device.index}"
     return None
 
 
 def _deserialize(storage, location: str):
     if not location.startswith("tpu"):
         return None
-    device = torch.device(location)
-    index = device.index or 0
+    index = state.device_index(location)
     if storage.device.type == "tpu":
-        return storage if (storage.device.index or 0) == index else None
+        return storage if storage.device.index == index else None
+    # registered at import, which must not import JAX (runtime/state.py): the bridge is imported here
+    import jax
+
+    from torchtpu.device import bridge
+    from torchtpu.runtime import platform
+
     nbytes = storage.nbytes()
     data = np.frombuffer(bytes(storage), dtype=np.uint8) if nbytes else np.zeros((0,), np.uint8)
     result = bridge.new_storage(nbytes, index)

@@ -22,7 +22,8 @@ from torch._ops import OpOverload
 from torchtpu.device import bridge
 from torchtpu.eager import modes
 from torchtpu.ops.registry import Lowering
-from torchtpu.runtime import platform, rng
+from torchtpu.runtime import platform, rng, state
+from torchtpu.runtime.dtypes import TORCH_TO_JAX
 from torchtpu import metrics
 
 _TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
@@ -227,7 +228,7 @@ def _cached_scalar(kind, value, sign):
 @functools.lru_cache(maxsize=4096)
 def _cached_host_scalar(value, dtype, sign):
     with jax.default_device(platform.jax_device(0)):
-        return jax.numpy.asarray(np.asarray(value, dtype=bridge.TORCH_JAX[dtype]))
+        return jax.numpy.asarray(np.asarray(value, dtype=TORCH_TO_JAX[dtype]))
 
 
 def transfer_to_device(t: torch.Tensor, index: int):
@@ -326,10 +327,7 @@ def _device_index(call: Call, kwargs, sig: _Signature) -> int:
     return _current_device()
 
 
-def _current_device() -> int:
-    from torchtpu.device.module import current_device
-
-    return current_device()
+_current_device = state.current_device
 
 
 def wrap_outputs(out, index: int, sig: _Signature):
@@ -349,7 +347,7 @@ class InplaceKernel:
 
     def __call__(self, self_tensor, *args, **kwargs):
         _, out = self.functional.arrays((self_tensor, *args), kwargs)
-        if out.dtype != bridge.TORCH_JAX[self_tensor.dtype]:
+        if out.dtype != TORCH_TO_JAX[self_tensor.dtype]:
             _check_cast(out.dtype, self_tensor.dtype, self.functional.name)
         bridge.write(self_tensor, out)
         return self_tensor
@@ -458,7 +456,7 @@ class ForeachInplaceKernel:
     def __call__(self, targets, *args, **kwargs):
         _, out = self.functional.arrays((targets, *args), kwargs)
         for t, value in zip(targets, out):
-            if value.dtype != bridge.TORCH_JAX[t.dtype]:
+            if value.dtype != TORCH_TO_JAX[t.dtype]:
                 _check_cast(value.dtype, t.dtype, self.functional.name)
         for t, value in zip(targets, out):
             bridge.write(t, value)

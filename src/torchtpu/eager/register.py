@@ -7,8 +7,10 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu import metrics
+from torchtpu.device import registration
 from torchtpu.eager import dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import foreach, registry
+from torchtpu.runtime import state, streams
 
 aten = torch.ops.aten
 _libs: list[torch.library.Library] = []
@@ -103,15 +105,31 @@ def _foreach_kernels() -> dict[OpOverload, object]:
 
 
 def install() -> None:
-    """Register every kernel with PyTorch's dispatcher (idempotent)."""
+    """Register every kernel with PyTorch's dispatcher (idempotent); run when the runtime starts."""
     if _libs:
         return
     lib = torch.library.Library("aten", "IMPL")
     for op, kernel in kernels().items():
         lib.impl(f"{op._schema.name.split('::')[1]}.{op._overloadname}" if op._overloadname != "default"
                  else op._schema.name.split("::")[1], kernel, "PrivateUse1")
-    fallback_lib = torch.library.Library("_", "IMPL")
-    fallback_lib.fallback(fallback.fallback, "PrivateUse1")
-    _libs.extend([lib, fallback_lib])
+    _libs.append(lib)
+    registration.set_fallback(fallback.fallback)
+    global _hooked
+    if _hooked:  # a reinstall (after _uninstall): the hooks below are in place already
+        return
+    _hooked = True
     modes.install_fused(fused.executor)
     metrics.register_source("fused_eager", fused.stats)
+    streams.before_synchronize(lambda: modes.flush("synchronize"))
+    state.on_fork_child(_uninstall)
+
+
+_hooked = False
+
+
+def _uninstall() -> None:
+    """In a child forked after the runtime started: every tpu op reaches the fallback again, which
+    tries to start the runtime and raises the bad-fork error (``runtime/state.py``)."""
+    registration.set_fallback(None)
+    while _libs:
+        _libs.pop()._destroy()

@@ -12,8 +12,8 @@ import torch
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes
-from torchtpu.ops.dtypes import to_jax_dtype
-from torchtpu.runtime import platform
+from torchtpu.runtime.dtypes import TORCH_TO_JAX, to_jax_dtype
+from torchtpu.runtime import platform, state
 
 aten = torch.ops.aten
 
@@ -83,7 +83,7 @@ def copy_(self, src, non_blocking=False):
             value = jax.device_put(bridge.concrete(src), platform.jax_device(index))
     else:
         value = to_device(src, index)
-    target = bridge.TORCH_JAX[self.dtype]
+    target = TORCH_TO_JAX[self.dtype]
     if tuple(value.shape) != tuple(self.shape) or value.dtype != target:
         value = bridge.apply(_to_shape(tuple(self.shape), target), value)
     bridge.write(self, value)
@@ -121,7 +121,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         raise RuntimeError(f"tpu: cannot copy a tpu tensor to {device} directly; go through .cpu() first")
     index = device.index if device.index is not None else (self.device.index or 0)
     value = bridge.read(self)
-    target = bridge.TORCH_JAX[dtype]
+    target = TORCH_TO_JAX[dtype]
     if value.dtype != target or value is getattr(self.untyped_storage(), bridge.ATTR, None):
         value = bridge.apply(_cast(target), value)  # (a copy must not share the source's buffer)
     if index != (self.device.index or 0):
@@ -130,10 +130,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     return bridge.wrap(value, index)
 
 
-def _current_device() -> int:
-    from torchtpu.device.module import current_device
-
-    return current_device()
+_current_device = state.current_device
 
 
 def _local_scalar_dense(self):

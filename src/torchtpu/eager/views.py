@@ -11,6 +11,7 @@ import torch
 
 from torchtpu.device import bridge
 from torchtpu.eager import dispatch
+from torchtpu.runtime import state
 
 aten = torch.ops.aten
 
@@ -90,30 +91,19 @@ def resize_(self, size, memory_format=None):
     return self
 
 
-def _device_index(device) -> int:
-    if device is None:
-        from torchtpu.device.module import current_device
-
-        return current_device()
-    device = torch.device(device)
-    if device.index is None:
-        from torchtpu.device.module import current_device
-
-        return current_device()
-    return device.index
 
 
 def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     """A new tensor; its array is made (as zeros) when first read: XLA has no uninitialised memory."""
     _check_size(size)
     # explicit strides make the storage's byte count right, which views of it rely on
-    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device),
+    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), state.device_index(device),
                               bridge._contiguous_strides(size))
 
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     _check_size(size)
-    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), _device_index(device), stride)
+    return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), state.device_index(device), stride)
 
 
 def _check_size(size) -> None:

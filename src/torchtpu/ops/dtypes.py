@@ -10,42 +10,7 @@ import numpy as np
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-TORCH_TO_JAX = {
-    torch.bool: jnp.bool_,
-    torch.uint8: jnp.uint8,
-    torch.int8: jnp.int8,
-    torch.int16: jnp.int16,
-    torch.int32: jnp.int32,
-    torch.int64: jnp.int64,
-    torch.float16: jnp.float16,
-    torch.bfloat16: jnp.bfloat16,
-    torch.float32: jnp.float32,
-    torch.float64: jnp.float64,
-    torch.complex64: jnp.complex64,
-    torch.complex128: jnp.complex128,
-    torch.uint16: jnp.uint16,
-    torch.uint32: jnp.uint32,
-    torch.uint64: jnp.uint64,
-}
-JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
-
-
-_NP_DTYPES = {k: np.dtype(v) for k, v in TORCH_TO_JAX.items()}  # np.dtype() costs ~1 µs a call
-
-
-def to_jax_dtype(dtype: torch.dtype) -> np.dtype:
-    """The JAX dtype for a torch dtype; a clear TypeError for ones XLA cannot hold."""
-    try:
-        return _NP_DTYPES[dtype]
-    except KeyError:
-        raise TypeError(
-            f"dtype {dtype} is not supported on the tpu device; supported: "
-            + ", ".join(str(d).removeprefix("torch.") for d in TORCH_TO_JAX)
-        ) from None
-
-
-def to_torch_dtype(dtype) -> torch.dtype:
-    return JAX_TO_TORCH[np.dtype(dtype)]
+from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype, to_torch_dtype  # noqa: F401
 
 
 # Python numbers (aten `Scalar` arguments, and numbers PyTorch passes in Tensor slots) travel

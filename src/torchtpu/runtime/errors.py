@@ -7,6 +7,8 @@ import re
 import jax
 import torch
 
+from torchtpu.runtime import memory
+
 _BYTES = re.compile(r"allocat\w*\s+(\d+)\s*bytes")
 
 
@@ -21,11 +23,9 @@ def out_of_memory(exc: BaseException, device_index: int | None, what: str) -> to
     detail = ""
     if device_index is not None:
         try:
-            from torchtpu.device import module
-
-            stats = module.memory_stats(device_index)
-            props = module.get_device_properties(device_index)
-            total = f"{_gib(props.total_memory)} total capacity; " if props.total_memory else ""
+            stats = memory.memory_stats(device_index)
+            limit = (memory.pjrt_stats(device_index) or {}).get("bytes_limit")
+            total = f"{_gib(limit)} total capacity; " if limit else ""
             detail = f" (tpu:{device_index}; {total}{_gib(stats['allocated_bytes.all.current'])} already allocated)"
         except Exception:
             detail = f" (tpu:{device_index})"

@@ -1,23 +1,23 @@
-"""Which PJRT platform backs the ``tpu`` device, and its devices."""
+"""Which PJRT platform backs the ``tpu`` device, and its devices (importing this imports JAX;
+``state`` is the part that does not)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 
 from torchtpu.config import config
-
-# torch's int64/float64 semantics need JAX's 64-bit mode. This is the one JAX setting torchtpu
-# changes, once, at import (documented in docs/design.md and the README).
-jax.config.update("jax_enable_x64", True)
+from torchtpu.runtime import state
 
 _PREFERENCE = ("tpu", "gpu", "cpu")
 
 
 @functools.cache
 def platform() -> str:
-    """The PJRT platform in use: ``tpu``, ``gpu`` or ``cpu``."""
+    """The PJRT platform in use: ``tpu``, ``gpu`` or ``cpu`` (starts the runtime)."""
+    state.start()
     wanted = config.platform
     if wanted:
         try:
@@ -64,3 +64,24 @@ def device_name(index: int = 0) -> str:
         return "XLA:CPU"
     kind = getattr(dev, "device_kind", "") or dev.platform.upper()
     return kind if dev.platform == "tpu" else f"{kind} (XLA:{dev.platform.upper()})"
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    platform: str
+    device_kind: str
+    index: int
+    total_memory: int | None
+
+
+def device_properties(index: int) -> DeviceProperties:
+    """What backs ``tpu:index``: its name, platform, kind and (where PJRT reports it) memory."""
+    dev = jax_device(index)
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:
+        stats = {}
+    return DeviceProperties(name=device_name(index), platform=dev.platform,
+                            device_kind=getattr(dev, "device_kind", dev.platform), index=index,
+                            total_memory=stats.get("bytes_limit"))

@@ -2,6 +2,9 @@
 
 Every random op consumes one offset; its key is ``fold_in(key(seed), offset)``, computed inside
 the jitted program so drawing costs no extra dispatch. Same seed, same numbers.
+
+The state is plain Python: seeding works before the runtime starts (as ``torch.cuda.manual_seed``
+does), so this module imports JAX only where a key is made, inside a traced program.
 """
 
 from __future__ import annotations
@@ -9,11 +12,10 @@ from __future__ import annotations
 import random as _pyrandom
 import threading
 
-import jax
 import numpy as np
 import torch
 
-from torchtpu.runtime import platform
+from torchtpu.runtime import state
 
 _DEFAULT_SEED = 67280421310721  # torch's default CPU seed, for familiarity
 
@@ -41,8 +43,10 @@ def next_key_args(index: int) -> tuple[np.uint32, np.uint32, np.uint32]:
     return np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint32(seed & 0xFFFFFFFF), np.uint32(offset & 0xFFFFFFFF)
 
 
-def make_key(seed_hi, seed_lo, offset) -> jax.Array:
+def make_key(seed_hi, seed_lo, offset):
     """The ``jax.random`` key for one draw (traceable)."""
+    import jax
+
     key = jax.random.wrap_key_data(jax.numpy.stack([seed_hi, seed_lo]).astype(np.uint32), impl="threefry2x32")
     return jax.random.fold_in(key, offset)
 
@@ -56,7 +60,7 @@ def manual_seed(seed: int, index: int | None = None) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    for i in range(platform.device_count()):
+    for i in range(state.device_count()):
         manual_seed(seed, i)
 
 
@@ -94,7 +98,4 @@ def set_state(state: torch.Tensor, index: int | None = None) -> None:
         _offsets[i] = int(offset)
 
 
-def _current() -> int:
-    from torchtpu.device import module
-
-    return module.current_device()
+_current = state.current_device

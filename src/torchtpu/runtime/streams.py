@@ -1,0 +1,124 @@
+"""Synchronisation, streams and events, shaped like ``torch.cuda``'s.
+
+XLA runs a device's work in order on one stream, so a ``Stream`` is that order and ``Event``
+marks a point in it. Work the layers above hold back (the fused eager mode's pending program)
+must run before a wait means anything: they register it with ``before_synchronize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import torch
+
+from torchtpu.runtime import memory, platform, state
+
+_before_synchronize: list[Callable[[], None]] = []
+
+
+def before_synchronize(callback: Callable[[], None]) -> None:
+    """Run ``callback`` (e.g. pending deferred work) at the start of every ``synchronize``."""
+    _before_synchronize.append(callback)
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait until all work queued on the device (or on all devices) has finished."""
+    state.start()
+    for callback in _before_synchronize:
+        callback()
+    index = None if device is None else state.device_index(device)
+    target = None if index is None else platform.jax_device(index)
+    for array in jax.live_arrays(platform.platform()):
+        try:
+            if target is None or target in array.devices():
+                array.block_until_ready()
+        except RuntimeError:  # deleted (donated) while we looked
+            continue
+    memory.record_peak()
+
+
+class Stream:
+    """The device's one in-order stream: ``wait_stream`` and ``wait_event`` are no-ops because
+    ordering already holds; ``synchronize`` waits for everything queued on the device."""
+
+    def __init__(self, device: Any = None, priority: int = 0):
+        self.device = torch.device("tpu", state.device_index(device))
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    def query(self) -> bool:
+        synchronize(self.device)
+        return True
+
+    def wait_stream(self, stream: "Stream") -> None:
+        pass
+
+    def wait_event(self, event: "Event") -> None:
+        pass
+
+    def record_event(self, event: "Event | None" = None) -> "Event":
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Stream) and other.device == self.device
+
+    def __hash__(self) -> int:
+        return hash(("tpu-stream", self.device))
+
+
+class Event:
+    """Marks a point in a device's (single, in-order) stream; ``synchronize`` waits for it."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+        self._device: torch.device | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self._device = (stream or current_stream()).device
+        if self.enable_timing:
+            synchronize(self._device)
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        if self._device is not None:
+            synchronize(self._device)
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "Event") -> float:
+        """Milliseconds between this event and ``end`` (both recorded with enable_timing=True)."""
+        if not (self.enable_timing and end.enable_timing) or self._time is None or end._time is None:
+            raise RuntimeError("Both events must be recorded with enable_timing=True to measure elapsed time")
+        return (end._time - self._time) * 1000.0
+
+
+def current_stream(device: Any = None) -> Stream:
+    return Stream(device)
+
+
+def default_stream(device: Any = None) -> Stream:
+    return Stream(device)
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None) -> Iterator[None]:
+    yield

@@ -1,0 +1,115 @@
+"""Start-up as CUDA does it: ``import torch`` registers ``tpu`` without starting JAX, the runtime
+starts at first use, and a fork is safe unless the child touches ``tpu`` after the parent started it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def test_import_torch_starts_nothing():
+    out = _run("""
+        import sys, torch
+        assert torch.device("tpu").type == "tpu" and hasattr(torch.Tensor, "is_tpu")
+        assert "jax" not in sys.modules, "import torch imported JAX"
+        assert not torch.tpu.is_initialized()
+        assert torch.tpu.is_available() and torch.tpu.device_count() == 2
+        assert "jax" not in sys.modules, "is_available()/device_count() started the runtime on XLA:CPU"
+        torch.tpu.manual_seed(3)                     # seeding is queued state, as on CUDA
+        assert not torch.tpu.is_initialized()
+        x = torch.ones(3, device="tpu")              # the first op starts the runtime
+        assert torch.tpu.is_initialized() and x.sum().item() == 3.0
+        assert torch.tpu.device_count() == 2
+        print("ok")
+    """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_first_use_through_each_entry():
+    # each of these is a first use in a fresh process: a factory, a move, torch.load, torch.tpu
+    for code in ("torch.zeros(2, device='tpu:0')", "torch.ones(2).to('tpu')", "torch.tpu.synchronize()",
+                 "torch.tpu.memory_allocated()", "torch.tpu.get_device_name()"):
+        out = _run(f"import torch; {code}; print(torch.tpu.is_initialized())")
+        assert out.returncode == 0, (code, out.stderr)
+        assert out.stdout.strip() == "True", code
+
+
+def test_import_torchtpu_runtime_alone():
+    out = _run("""
+        import sys
+        import torchtpu.runtime.state
+        layers = [m for m in sys.modules if m.startswith(("torchtpu.eager", "torchtpu.ops"))]
+        assert not layers, layers
+        print("ok")
+    """)
+    assert out.returncode == 0, out.stderr
+
+
+def test_fork_child_without_tpu_has_no_warning():
+    # the parent started the runtime; a forked child that never touches tpu runs quietly
+    out = _run("""
+        import multiprocessing as mp, warnings
+        warnings.simplefilter("error")
+        import torch
+        torch.ones(2, device="tpu").sum().item()
+        def work(q):
+            q.put(int(torch.arange(4).sum()))
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=work, args=(q,))
+        p.start(); value = q.get(timeout=60); p.join(60)
+        print(value, p.exitcode)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6 0"
+    assert "fork" not in out.stderr.lower(), out.stderr
+
+
+def test_fork_child_touching_tpu_gets_clear_error():
+    out = _run("""
+        import multiprocessing as mp
+        import torch
+        x = torch.ones(2, device="tpu")
+        def work(q):
+            try:
+                (x + 1).cpu()
+                q.put("no error")
+            except RuntimeError as exc:
+                q.put(str(exc))
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=work, args=(q,))
+        p.start(); message = q.get(timeout=60); p.join(60)
+        print(message)
+        print(torch._C._get_privateuse1_backend_name(), torch.tpu._is_in_bad_fork(), (x + 1).sum().item())
+    """)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "Cannot re-initialize tpu in forked subprocess" in lines[0]
+    assert "spawn" in lines[0]
+    assert lines[1] == "tpu False 4.0"  # the parent is unaffected
+
+
+def test_fork_before_start_child_can_use_tpu():
+    out = _run("""
+        import multiprocessing as mp
+        import torch
+        def work(q):
+            q.put((torch.ones(3, device="tpu") * 2).sum().item())
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=work, args=(q,))
+        p.start(); value = q.get(timeout=120); p.join(60)
+        print(value, torch.tpu.is_initialized())
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6.0 False"
