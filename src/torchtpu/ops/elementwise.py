@@ -9,22 +9,16 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
 
-from torchtpu.ops.dtypes import promote, to_torch_dtype
+from torchtpu.ops.dtypes import promote
 from torchtpu.ops.registry import aten, lowering
-
-
-def _type_name(dtype) -> str:
-    """PyTorch's name of a dtype in kernel errors: 'Long', 'Int', 'Bool', ..."""
-    return str(to_torch_dtype(dtype)).removeprefix("torch.").replace("int64", "Long").replace(
-        "int32", "Int").replace("int16", "Short").replace("int8", "Char").replace("uint8", "Byte").replace(
-        "bool", "Bool")
+from torchtpu.runtime.dtypes import scalar_type_name
 
 
 def _floating_or_complex(x, kernel: str) -> bool:
     """True for a floating or complex array; PyTorch's CPU error for the others (its kernel has none)."""
     if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
         return True
-    raise NotImplementedError(f'"{kernel}" not implemented for \'{_type_name(x.dtype)}\'')
+    raise NotImplementedError(f'"{kernel}" not implemented for \'{scalar_type_name(x.dtype)}\'')
 
 
 def _unary(kind: str, fn):

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torchtpu.ops.dtypes import is_complex, is_float, is_integral, opmath, to_jax_dtype, to_torch_dtype
+from torchtpu.ops.dtypes import is_complex, is_float, is_integral, opmath, to_jax_dtype
 from torchtpu.ops.elementwise import logaddexp_complex
 from torchtpu.ops.registry import aten, lowering
+from torchtpu.runtime.dtypes import scalar_type_name
 
 _INT64 = np.dtype(jnp.int64)
 _BOOL = np.dtype(jnp.bool_)
@@ -64,12 +65,8 @@ def _floating_dtype(name: str, x, dtype) -> np.dtype:
     out = to_jax_dtype(dtype) if dtype is not None else np.dtype(x.dtype)
     if not (is_float(out) or is_complex(out)):
         raise RuntimeError(f"{name}(): could not infer output dtype. Input dtype must be either a floating "
-                           f"point or complex dtype. Got: {_torch_name(out)}")
+                           f"point or complex dtype. Got: {scalar_type_name(out)}")
     return out
-
-
-def _torch_name(dtype) -> str:
-    return str(to_torch_dtype(dtype)).removeprefix("torch.")
 
 
 def _count(x, axes) -> int:
@@ -317,12 +314,9 @@ def linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
 def _check_norm_input(x) -> None:
     if not (is_float(x.dtype) or is_complex(x.dtype)):
         raise RuntimeError(f"linalg.vector_norm: Expected a floating point or complex tensor as input. "
-                           f"Got {_pretty_name(x.dtype)}")
+                           f"Got {scalar_type_name(x.dtype)}")
 
 
-def _pretty_name(dtype) -> str:
-    return {"int64": "Long", "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte",
-            "bool": "Bool"}.get(_torch_name(dtype), _torch_name(dtype))
 
 
 def _norm(x, p, dim, keepdim, dtype):
@@ -567,7 +561,7 @@ def _segment_args(data, reduce: str, lengths, offsets, axis: int) -> _Segments:
     if lengths is None and offsets is None:
         raise RuntimeError("segment_reduce(): Either lengths or offsets must be defined")
     if not is_float(data.dtype):
-        raise RuntimeError(f"\"segment_reduce\" not implemented for '{_torch_name(data.dtype)}'")
+        raise RuntimeError(f"\"segment_reduce\" not implemented for '{scalar_type_name(data.dtype)}'")
     return _Segments(data, wrap_dim(axis, data.ndim), lengths, offsets)
 
 

@@ -41,3 +41,18 @@ def to_jax_dtype(dtype: torch.dtype) -> np.dtype:
 def to_torch_dtype(dtype) -> torch.dtype:
     """The torch dtype of a JAX/numpy dtype."""
     return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+_SCALAR_TYPE_NAMES = {
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+    torch.float16: "Half", torch.float32: "Float", torch.float64: "Double", torch.complex32: "ComplexHalf",
+    torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble", torch.bool: "Bool",
+    torch.bfloat16: "BFloat16", torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
+}
+
+
+def scalar_type_name(dtype) -> str:
+    """PyTorch's name of a dtype in its kernel errors ('Long', 'Float', 'Bool', ...); torch or JAX dtype."""
+    if not isinstance(dtype, torch.dtype):
+        dtype = to_torch_dtype(dtype)
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
