@@ -97,7 +97,7 @@ def interleaved_steps(make_step, steps: int, rounds: int, warmup: int) -> tuple[
         with _context(mode):
             for _ in range(warmup):
                 runners[mode]().item()
-    hits0, compiled0 = fused.executor.stats["program_cache_hits"], fused.executor.stats["programs_compiled"]
+    hits0, compiled0 = fused.stats()["program_cache_hits"], fused.stats()["programs_compiled"]
     ops0 = fused.stats()["ops_recorded"]
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(rounds):
@@ -108,8 +108,8 @@ def interleaved_steps(make_step, steps: int, rounds: int, warmup: int) -> tuple[
                     runners[mode]().item()
                 torch.tpu.synchronize()
                 times[mode].append((time.perf_counter() - start) / steps)
-    hits = fused.executor.stats["program_cache_hits"] - hits0
-    misses = fused.executor.stats["programs_compiled"] - compiled0
+    hits = fused.stats()["program_cache_hits"] - hits0
+    misses = fused.stats()["programs_compiled"] - compiled0
     ops = (fused.stats()["ops_recorded"] - ops0) / (rounds * steps)
     return {mode: statistics.median(t) for mode, t in times.items()}, hits / max(hits + misses, 1), ops
 

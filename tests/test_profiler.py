@@ -2,6 +2,7 @@
 ``record_function`` spans next to XLA's own."""
 
 import os
+import random
 import warnings
 
 import pytest
@@ -76,7 +77,7 @@ def test_jax_executions_inside_dispatch_spans(traced):
 
 def test_trace_restores_everything(traced):
     assert not profiler.active
-    assert dispatch.Kernel.arrays.__qualname__ == "Kernel.arrays"
+    assert dispatch.Kernel.run.__qualname__ == "Kernel.run"
     assert fallback.cpu_fallback.__module__ == "torchtpu.eager.fallback"
     assert "__enter__" in torch.autograd.profiler.record_function.__dict__
     assert torch.autograd.profiler.record_function.__enter__.__module__ == "torch.autograd.profiler"
@@ -92,7 +93,7 @@ def test_trace_stops_on_error_and_refuses_nesting(tmp_path):
             x.exp()
             1 / 0
     assert not profiler.active
-    assert dispatch.Kernel.arrays.__qualname__ == "Kernel.arrays"
+    assert dispatch.Kernel.run.__qualname__ == "Kernel.run"
     names = {e["name"] for e in profiler.trace_events(tmp_path / "a")}
     assert "dispatch aten.exp.default" in names
     assert not (tmp_path / "b").exists()
@@ -116,7 +117,8 @@ def test_trace_events_without_trace(tmp_path):
 
 
 def test_compile_work_inside_dispatch_span(tmp_path):
-    x = torch.randn(3, 7, 11).to("tpu")  # a shape no other test uses: the first call compiles
+    # a shape no other test, and no earlier run, uses (programs persist on disk): the call compiles
+    x = torch.randn(3, 7, random.randrange(1000, 100000)).to("tpu")
     with profiler.trace(tmp_path):
         out = x.cosh()
     assert_close(out.cpu(), x.cpu().cosh())
@@ -124,3 +126,20 @@ def test_compile_work_inside_dispatch_span(tmp_path):
     span, = _spans(events, "dispatch aten.cosh.default")
     compiles = _spans(events, "backend_compile_and_load")
     assert compiles and all(_inside(c, span) for c in compiles)
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_optimizer_step_gets_a_span(tmp_path, mode):
+    """A ``_foreach_*`` kernel (every optimizer step) runs through the same executor as any op,
+    so it gets its span too, in either mode."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 4, device="tpu"))
+    expected = p.detach().cpu() - 0.1 * torch.ones(4, 4)
+    opt = torch.optim.SGD([p], lr=0.1, foreach=True)
+    p.grad = torch.ones_like(p)
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        with profiler.trace(tmp_path):
+            opt.step()
+    assert_close(p.detach().cpu(), expected)
+    names = {e["name"] for e in profiler.trace_events(tmp_path)}
+    assert {n for n in names if n.startswith("dispatch aten._foreach_")}, sorted(names)

@@ -28,6 +28,16 @@ def _platform(raw: str) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(value, value)
 
 
+def _count(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"expected a number >= 0 (0: no limit), got {raw!r}")
+    return value
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "torchtpu")
@@ -55,6 +65,12 @@ SETTINGS = [
             "directory of the persistent compilation cache"),
     Setting("dump_dir", "TORCHTPU_DUMP_DIR", str, lambda: "",
             "if set, write the StableHLO of every compiled graph here"),
+    Setting("kernel_cache_size", "TORCHTPU_KERNEL_CACHE_SIZE", _count, lambda: 1024,
+            "jitted programs kept per eager op, one per static arguments (LRU; 0: no limit)"),
+    Setting("fused_program_cache_size", "TORCHTPU_FUSED_PROGRAM_CACHE_SIZE", _count, lambda: 512,
+            "DEFER_AND_FUSE programs kept, one per recorded graph structure (LRU; 0: no limit)"),
+    Setting("fused_shape_cache_size", "TORCHTPU_FUSED_SHAPE_CACHE_SIZE", _count, lambda: 65536,
+            "output shapes kept for DEFER_AND_FUSE recording, one per op and input shapes (LRU; 0: no limit)"),
 ]
 
 

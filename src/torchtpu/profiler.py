@@ -3,8 +3,10 @@
 ``trace(logdir)`` records XLA's device activity and JAX's own host spans (tracing, lowering,
 ``backend_compile_and_load``, executions) plus torchtpu's spans: one per eager op dispatched
 (``dispatch aten.add.Tensor``), one per CPU fallback (``cpu_fallback aten.foo``), and one per
-``torch.profiler.record_function`` block, under its own name. The spans are installed only while
-a trace runs, so the eager path pays nothing otherwise.
+``torch.profiler.record_function`` block, under its own name. The op spans are opened by the one
+place every eager op runs (``modes.execute``: eager and ``_foreach_*`` kernels alike, so an
+optimizer step has its span) when ``modes.tracing`` is set, which only a running trace does: the
+eager path pays one flag check per op otherwise.
 
 The trace lands in ``logdir/plugins/profile/<run>/<host>.xplane.pb`` (TensorBoard/XProf) and
 ``<host>.trace.json.gz`` (Chrome trace format: Perfetto opens it; ``trace_events`` reads it).
@@ -24,7 +26,7 @@ import jax
 import torch
 from jax.profiler import TraceAnnotation
 
-from torchtpu.eager import dispatch, fallback
+from torchtpu.eager import modes
 
 annotate = TraceAnnotation
 """``with annotate("name"):`` marks a host span in the running trace (nearly free when none runs)."""
@@ -33,22 +35,6 @@ active = False
 """True while ``trace`` records."""
 
 _lock = threading.Lock()
-
-
-def _traced_arrays(original):
-    def arrays(self, args, kwargs):
-        with TraceAnnotation("dispatch " + self.name):
-            return original(self, args, kwargs)
-
-    return arrays
-
-
-def _traced_cpu_fallback(original):
-    def cpu_fallback(op, *args, **kwargs):
-        with TraceAnnotation(f"cpu_fallback {op}"):
-            return original(op, *args, **kwargs)
-
-    return cpu_fallback
 
 
 def _record_function_patches():
@@ -104,11 +90,13 @@ def trace(logdir: str | os.PathLike, *, perfetto: bool = False, python_tracer: b
         jax.profiler.start_trace(str(logdir), create_perfetto_trace=perfetto, profiler_options=options)
         try:
             record_cls, record_patches = _record_function_patches()
-            with _patched(dispatch.Kernel, {"arrays": _traced_arrays(dispatch.Kernel.arrays)}), \
-                    _patched(fallback, {"cpu_fallback": _traced_cpu_fallback(fallback.cpu_fallback)}), \
-                    _patched(record_cls, record_patches):
-                yield str(logdir)
-                _synchronize()
+            modes.tracing = True  # eager ops and CPU fallbacks open their spans
+            try:
+                with _patched(record_cls, record_patches):
+                    yield str(logdir)
+                    _synchronize()
+            finally:
+                modes.tracing = False
         finally:
             jax.profiler.stop_trace()
     finally:

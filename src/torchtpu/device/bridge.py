@@ -23,7 +23,8 @@ from jax import lax
 import numpy as np
 import torch
 
-from torchtpu.runtime import platform
+from torchtpu.runtime import placement
+from torchtpu.runtime.execution import current
 from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -32,19 +33,38 @@ _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
 
 ATTR = "_jax"
-# Types of deferred values a storage may hold instead of a jax.Array (the fused eager mode adds
-# its own); they have ``shape``, ``dtype``, ``size`` and a ``materialize()`` that returns the array.
-LAZY_TYPES: tuple[type, ...] = ()
-# While the fused eager mode records, ``deferring`` is True and ``apply`` records a jitted call
-# instead of running it; otherwise ``apply(fn, *args)`` is ``fn(*args)``.
-deferring = False
 
 
-def _run(fn, *args):
-    return fn(*args)
+class Lazy:
+    """Base of the deferred values a storage may hold instead of a ``jax.Array`` (the fused eager
+    mode's ``Deferred``). One has ``shape``, ``dtype``, ``size``, ``value`` (the array once
+    computed, else None), ``executor`` (what records it and will compute it) and ``materialize()``,
+    which returns the array, running what it needs.
+
+    ``read`` and ``write`` use one as is in DEFER_AND_FUSE (the executor takes a computed one's
+    array as an input) unless it is another context's pending value; that one, and any lazy value
+    read where nothing records, is materialised (by its own executor, from any thread)."""
+
+    __slots__ = ()
 
 
-apply = _run
+LAZY_TYPES: tuple[type, ...] = (Lazy,)
+
+
+def apply(fn, *args):
+    """``fn(*args)`` for a jitted ``fn``, in the current context's mode: run now, or recorded by
+    its DEFER_AND_FUSE executor (returning deferred values)."""
+    executor = current().executor
+    if executor is not None:
+        return executor.call(fn, *args)
+    try:
+        return fn(*args)
+    except TypeError:
+        if not any(isinstance(a, Lazy) for a in args):
+            raise
+        # a deferred argument read before this context's mode changed (the process default left
+        # DEFER_AND_FUSE while an op was under way): compute it
+        return fn(*[a.materialize() if isinstance(a, Lazy) else a for a in args])
 
 
 # ---------------------------------------------------------------- tensor shells on tpu:N
@@ -180,24 +200,28 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     return t
 
 
-def _is_owner(t: torch.Tensor, array) -> bool:
+def _covers_storage(t: torch.Tensor, array) -> bool:
+    """Whether ``t`` spans its storage's ``array`` in order (its dtype may still differ)."""
     return array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()
 
 
-def reads_whole(t: torch.Tensor, array) -> bool:
+def holds_whole_storage(t: torch.Tensor, array) -> bool:
     """Whether ``t``'s elements are its storage's ``array`` as it is (no gather or cast)."""
-    return _is_owner(t, array) and array.dtype == TORCH_TO_JAX.get(t.dtype)
+    return _covers_storage(t, array) and array.dtype == TORCH_TO_JAX.get(t.dtype)
 
 
 def read(t: torch.Tensor) -> jax.Array:
-    """The elements of ``t`` as a ``jax.Array`` of ``t``'s shape and dtype."""
+    """The elements of ``t`` as a ``jax.Array`` of ``t``'s shape and dtype; in DEFER_AND_FUSE a
+    pending value stays a deferred one (``read_computed`` runs it)."""
     storage = t.untyped_storage()
     array = getattr(storage, ATTR, None)
     if array is None:
         array = _allocate(t, storage)
-    elif isinstance(array, LAZY_TYPES) and not deferring:
-        array = array.materialize()
-    if reads_whole(t, array):
+    elif isinstance(array, Lazy):  # see Lazy (inline: the fused mode's hot path)
+        executor = current().executor
+        if executor is None or (array.value is None and array.executor is not executor):
+            array = array.materialize()
+    if holds_whole_storage(t, array):
         value = array
     else:
         value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), to_jax_dtype(t.dtype)),
@@ -220,16 +244,16 @@ def _resolve_bits(conj: bool, neg: bool):
     return jax.jit(resolve)
 
 
-def concrete(t: torch.Tensor) -> jax.Array:
+def read_computed(t: torch.Tensor) -> jax.Array:
     """Like ``read``, but always a real ``jax.Array`` (runs pending deferred work if needed)."""
     array = read(t)
-    return array.materialize() if isinstance(array, LAZY_TYPES) else array
+    return array.materialize() if isinstance(array, Lazy) else array
 
 
 def _allocate(t: torch.Tensor, storage) -> jax.Array:
     # `empty` tensors get their array on first use: XLA has no uninitialised memory, so zeros.
     numel = max(storage.nbytes() // t.element_size(), _extent(t))
-    index = t.device.index or 0
+    index = t.get_device()
     try:
         array = apply(_zeros(numel, to_jax_dtype(t.dtype), index))
     except jax.errors.JaxRuntimeError as exc:
@@ -245,8 +269,7 @@ def _allocate(t: torch.Tensor, storage) -> jax.Array:
 @functools.lru_cache(maxsize=1024)
 def _zeros(numel: int, dtype, index: int):
     # A jitted constant: 20x cheaper than jnp.zeros per call, and recordable by the fused mode.
-    sharding = jax.sharding.SingleDeviceSharding(platform.jax_device(index))
-    return jax.jit(lambda: jnp.zeros((numel,), dtype), out_shardings=sharding)
+    return jax.jit(lambda: jnp.zeros((numel,), dtype), out_shardings=placement.sharding(index))
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -266,14 +289,16 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         value = apply(_broadcast(tuple(t.shape)), value)
     storage = t.untyped_storage()
     array = getattr(storage, ATTR, None)
-    if isinstance(array, LAZY_TYPES) and not deferring:
-        array = array.materialize()
+    if isinstance(array, Lazy):  # as in ``read``
+        executor = current().executor
+        if executor is None or (array.value is None and array.executor is not executor):
+            array = array.materialize()
     if array is None:
         if t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() >= storage.nbytes():
             storage._jax = value  # t covers its whole (empty) storage
             return
         array = _allocate(t, storage)
-    if (_is_owner(t, array) and array.dtype == dtype) or \
+    if (_covers_storage(t, array) and array.dtype == dtype) or \
             (t.storage_offset() == 0 and t.is_contiguous() and array.size == t.numel() and array.dtype == dtype):
         if array.shape != value.shape:
             value = apply(_reshape(tuple(array.shape)), value)
@@ -288,12 +313,12 @@ def _cast(dtype):
     return jax.jit(lambda x: x.astype(dtype))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _reshape(shape):
     return jax.jit(lambda x: x.reshape(shape))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _broadcast(shape):
     return jax.jit(lambda x: jnp.broadcast_to(x, shape))
 
@@ -332,7 +357,7 @@ def _bitcast(flat, dtype):
     return out.astype(np.bool_) if dst == np.bool_ else out
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _gather(array_shape, array_dtype, shape, strides, dtype):
     """A jitted ``(array, offset) -> view``. The offset is a runtime argument, so views that differ
     only in where they start (slices of a KV cache, rows of a batch) share one program."""
@@ -389,7 +414,7 @@ def _strided_read(flat, offset, shape, strides, dims):
     return jnp.broadcast_to(block, shape)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _scatter(array_shape, array_dtype, shape, strides, dtype):
     """A jitted ``(array, value, offset) -> array`` writing a view (offset dynamic, as in _gather)."""
     numel = math.prod(shape)

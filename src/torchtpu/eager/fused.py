@@ -1,14 +1,17 @@
 """``EagerMode.DEFER_AND_FUSE``: record eager ops, run them as one XLA program when needed.
 
-Every jitted call the eager path makes (an op's lowering, a view's gather, a write's scatter or
-cast) goes through ``bridge.apply``; in this mode that records a node and returns a ``Deferred``
-(shape and dtype known from ``jax.eval_shape``, cached). Storages hold the ``Deferred`` like an
-array. When a value must exist (``.item()``, ``.cpu()``, printing, a data-dependent op, a CPU
-fallback, ``synchronize``, a transfer, a mode change, or the graph reaching its size bound) the
-pending nodes are compiled into one ``jax.jit`` program, cached by the graph's structure (which
-jitted functions, wired how, on which input shapes/dtypes — never the data), and run. Only values
-whose ``Deferred`` is still referenced (by a tensor's storage) become outputs; the rest stay
-inside the program, so XLA fuses them and nothing is materialised for them.
+Every jitted call the eager path makes (an op's lowering through ``modes.execute``, a view's
+gather, a write's scatter or cast through ``bridge.apply``) goes, in this mode, to the current
+context's ``FusedExecutor`` (each thread or asyncio task in this mode has its own, see
+``eager/modes.py``), which records a node and returns a ``Deferred`` (shape and dtype known from
+``jax.eval_shape``, cached). Storages hold the ``Deferred`` like an array; reading one in another
+context runs its own executor's pending work, under that executor's lock. When a value must
+exist (``.item()``, ``.cpu()``, printing, a data-dependent op, a CPU fallback, ``synchronize``,
+a transfer, a mode change, or the graph reaching its size bound) the pending nodes are compiled
+into one ``jax.jit`` program, cached (shared by all executors, bounded) by the graph's structure
+(which jitted functions, wired how, on which input shapes/dtypes — never the data), and run.
+Only values whose ``Deferred`` is still referenced (by a tensor's storage) become outputs; the
+rest stay inside the program, so XLA fuses them and nothing is materialised for them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from collections import Counter
 
 import jax
 
+from torchtpu import caches
 from torchtpu.device import bridge
+from torchtpu.eager import modes
 from torchtpu.runtime import errors
 
 MAX_NODES = 4096
@@ -31,13 +36,14 @@ SPLIT_AT_READ = True
 SPLIT_MIN_NODES = 16
 
 
-class Deferred:
+class Deferred(bridge.Lazy):
     """A value that a pending node will produce."""
 
-    __slots__ = ("graph", "ref", "shape", "dtype", "weak_type", "key", "value", "__weakref__")
+    __slots__ = ("graph", "executor", "ref", "shape", "dtype", "weak_type", "key", "value", "__weakref__")
 
     def __init__(self, graph, node: int, index: int, key: tuple):
         self.graph = graph
+        self.executor = graph.executor  # who computes it (the bridge compares it with the context's)
         self.ref = ("v", node, index)  # how the graph's program reads it
         self.key = key  # (shape, dtype, weak_type): its part of a jit key
         self.shape, self.dtype, self.weak_type = key
@@ -63,17 +69,20 @@ class Deferred:
         return n
 
     def materialize(self) -> jax.Array:
+        """The value, running its executor's pending work (what this value needs first) if needed;
+        from any thread."""
         if self.value is None:
-            executor.flush("value_needed")
-        if self.value is None:
-            raise _lost(self)
+            self.executor.flush("value_needed", (self,))
+            if self.value is None:
+                raise _lost(self)
         return self.value
 
 
 class _Graph:
-    """The nodes recorded since the last flush."""
+    """The nodes one executor recorded since its last flush."""
 
-    def __init__(self):
+    def __init__(self, executor: "FusedExecutor"):
+        self.executor = executor
         self.nodes: list[tuple] = []  # (fn, arg refs, number of outputs)
         self.inputs: list = []  # concrete arrays and Python numbers fed to the program
         self.input_ids: dict[int, int] = {}  # id(array) → input position (arrays only)
@@ -84,6 +93,10 @@ class _Graph:
 
     def ref(self, arg):
         if isinstance(arg, Deferred):
+            if arg.value is None and arg.executor is not self.executor:
+                # another context's pending value (the bridge computes these before recording:
+                # this is a safety net)
+                arg.materialize()
             if arg.value is not None:
                 return self._input(arg.value)
             if arg.graph is not self:
@@ -118,7 +131,12 @@ class _Graph:
         return ("in", pos)
 
 
-_avals_cache: dict = {}
+# Shared by every executor (they record the same functions on the same shapes), bounded.
+_avals_cache = caches.LRU("fused_shapes", "fused_shape_cache_size")  # (fn, input keys) -> output avals
+_programs = caches.LRU("fused_programs", "fused_program_cache_size")  # graph structure -> jitted program
+_stats_lock = threading.Lock()
+_stats: Counter = Counter()  # programs_compiled, program_cache_hits, run_seconds, ops_recorded
+_materializations: Counter = Counter()  # by reason
 
 
 def _spec(arg):
@@ -130,20 +148,14 @@ def _spec(arg):
 
 
 class FusedExecutor:
-    """Records jitted calls and runs them as fused programs."""
+    """Records one context's jitted calls and runs them as fused programs. ``lock`` guards the
+    graph: another thread that reads one of its values flushes it."""
 
     def __init__(self):
-        self.graph = _Graph()
+        self.graph = _Graph(self)
         self.lock = threading.RLock()
-        self.programs: dict = {}
-        self.materializations: Counter = Counter()
-        self.stats = Counter()
-        self.ops_recorded = 0  # a plain int on the hot path; reported in ``stats``
 
     # ------------------------------------------------------------ recording
-    def record(self, kernel, fn, dyn):
-        return self.call(fn, *dyn)
-
     def call(self, fn, *args):
         # The hot path of the mode (every eager op): one pass over the arguments builds both the
         # node's references and its shape key; output avals come from a cache after the first call.
@@ -174,7 +186,6 @@ class FusedExecutor:
             graph.nodes.append((fn, tuple(refs), len(flat)))
             outs = [Deferred(graph, node, i, k) for i, k in enumerate(flat)]
             graph.outputs.append([weakref.ref(d) for d in outs])
-            self.ops_recorded += 1
             if node + 1 >= MAX_NODES:
                 self.flush("graph_size")
             if single:
@@ -194,10 +205,12 @@ class FusedExecutor:
             graph = self.graph
             if not graph.nodes:
                 return
-            self.graph = _Graph()
+            self.graph = _Graph(self)
             live = [(n, i, r()) for n, refs in enumerate(graph.outputs) for i, r in enumerate(refs)]
             live = [(n, i, d) for n, i, d in live if d is not None]
-            self.materializations[reason] += 1
+            with _stats_lock:
+                _materializations[reason] += 1
+                _stats["ops_recorded"] += len(graph.nodes)
             _count_materialization(reason)
             first = {d.ref[1] for d in wanted if d.__class__ is Deferred and d.value is None and d.graph is graph} \
                 if SPLIT_AT_READ else set()
@@ -220,12 +233,14 @@ class FusedExecutor:
         computed by an earlier program, passed in as ``external_values``."""
         outputs = [(n, i) for n, i, _ in live] + list(extra)
         structure = (tuple([graph.nodes[n] for n in nodes]), tuple(outputs), tuple(externals), len(graph.inputs))
-        program = self.programs.get(structure)
+        program = _programs.get(structure)
         if program is None:
-            program = self.programs[structure] = _build(graph, nodes, outputs, externals)
-            self.stats["programs_compiled"] += 1
+            program = _programs[structure] = _build(graph, nodes, outputs, externals)
+            counter = "programs_compiled"
         else:
-            self.stats["program_cache_hits"] += 1
+            counter = "program_cache_hits"
+        with _stats_lock:
+            _stats[counter] += 1
         start = time.perf_counter()
         try:
             results = program(*graph.inputs, *external_values)
@@ -236,26 +251,16 @@ class FusedExecutor:
             if errors.is_out_of_memory(exc):
                 raise errors.out_of_memory(exc, None, what) from None
             raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
-        self.stats["run_seconds"] += time.perf_counter() - start
+        with _stats_lock:
+            _stats["run_seconds"] += time.perf_counter() - start
         for (_, _, deferred), value in zip(live, results):
             deferred.value = value
         return results[len(live):]
 
-    def enter(self) -> None:
-        """Start recording: the bridge's jitted calls now come here."""
-        bridge.LAZY_TYPES = (Deferred,)
-        bridge.apply = self.call
-        bridge.deferring = True
-
-    def leave(self) -> None:
-        """Run what is pending and go back to running each call at once."""
-        self.flush("mode_change")
-        bridge.apply = bridge._run
-        bridge.deferring = False
-
     def pending(self) -> list[str]:
         """The recorded, not yet run ops, by name, in order."""
-        return [getattr(fn, "__name__", repr(fn)) for fn, _, _ in self.graph.nodes]
+        with self.lock:
+            return [getattr(fn, "__name__", repr(fn)) for fn, _, _ in self.graph.nodes]
 
 
 def _lost(value: Deferred) -> RuntimeError:
@@ -304,14 +309,22 @@ def _count_materialization(reason: str) -> None:
         counter(reason)
 
 
-executor = FusedExecutor()
+def current_executor() -> FusedExecutor | None:
+    """The executor the current context records into (None outside DEFER_AND_FUSE)."""
+    return modes.current().executor
 
 
 def pending_graph() -> list[str]:
-    """The ops recorded and not yet run (``torch.tpu.debug.pending_graph()``)."""
-    return executor.pending()
+    """The ops the current context recorded and has not run yet (``torch.tpu.debug.pending_graph()``)."""
+    executor = current_executor()
+    return executor.pending() if executor is not None else []
 
 
 def stats() -> dict:
-    return {"materializations": dict(executor.materializations), **executor.stats,
-            "ops_recorded": executor.ops_recorded, "programs_cached": len(executor.programs)}
+    """Counters of every context's executor together: materializations by reason, programs
+    compiled and cache hits, seconds running programs, ops recorded (counted when they run), and the
+    programs and output shapes cached."""
+    with _stats_lock:
+        counters = {"materializations": dict(_materializations), "programs_compiled": 0, "program_cache_hits": 0,
+                    "run_seconds": 0.0, "ops_recorded": 0, **_stats}
+    return {**counters, "programs_cached": len(_programs), "shapes_cached": len(_avals_cache)}

@@ -1,15 +1,28 @@
-"""Eager execution modes: how a registered op runs when it is called."""
+"""Eager execution modes: how a registered op runs when it is called.
+
+The mode is per context (thread or asyncio task; ``runtime/execution.py`` holds it): a context
+in ``with eager_mode(...)`` has its own, every other context uses the process default that
+``set_mode`` (``torch.tpu.eager_mode = ...``) sets. Each context in DEFER_AND_FUSE records into
+an executor of its own, so threads in different modes run side by side, each with its own
+semantics. ``execute`` is the one place an eager op runs (eager and foreach kernels alike).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
+import threading
+import weakref
 from typing import Iterator
 
 import jax
+from jax.profiler import TraceAnnotation
 
 from torchtpu.config import config
-from torchtpu.runtime import errors
+from torchtpu.device.bridge import Lazy
+from torchtpu.runtime import errors, execution, state
+from torchtpu.runtime.execution import Execution, current
 
 
 class EagerMode(enum.Enum):
@@ -23,32 +36,77 @@ class EagerMode(enum.Enum):
     """Ops are recorded and run as one fused XLA program when a value is needed."""
 
 
+_NEVER = EagerMode.DEFER_NEVER
+_BLOCKING = EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+_FUSE = EagerMode.DEFER_AND_FUSE
+_AT_ONCE = {_NEVER: Execution(_NEVER), _BLOCKING: Execution(_BLOCKING)}  # no executor: shared
+
+# The DEFER_AND_FUSE executor class, plugged in by eager/fused.py; None while it is unavailable.
+_new_executor = None
+# The executor of a context that follows a DEFER_AND_FUSE process default, made on its first use.
+_context_executor: contextvars.ContextVar = contextvars.ContextVar("torchtpu_default_executor")
+_default_executors: "weakref.WeakSet" = weakref.WeakSet()  # all of those, flushed when the default changes
+_default_lock = threading.Lock()
+
+
+class _FusedDefault(Execution):
+    """The process default when it is DEFER_AND_FUSE: each context that follows it records into an
+    executor of its own (``executor`` is the context's)."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        self.mode = _FUSE
+
+    @property
+    def executor(self):
+        caller = execution.caller_context()  # in an autograd thread: record into the caller's executor
+        executor = caller.get(_context_executor) if caller is not None else None
+        if executor is None:
+            executor = _context_executor.get(None)
+        if executor is None:
+            _require_fused()
+            executor = _new_executor()
+            _context_executor.set(executor)
+            with _default_lock:
+                _default_executors.add(executor)
+        return executor
+
+
 def _initial_mode() -> EagerMode:
     if config.defer_and_fuse:
-        return EagerMode.DEFER_AND_FUSE
+        return _FUSE
     if config.launch_blocking:
-        return EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
-    return EagerMode.DEFER_NEVER
+        return _BLOCKING
+    return _NEVER
 
 
-_mode = _initial_mode()
+def _default_for(mode: EagerMode) -> Execution:
+    return _FusedDefault() if mode is _FUSE else _AT_ONCE[mode]
+
+
+execution.set_default(_default_for(_initial_mode()))
 
 
 def get_mode() -> EagerMode:
-    return _mode
+    """The current context's eager mode (its own, else the process default)."""
+    return current().mode
 
 
 def set_mode(mode: EagerMode | str) -> None:
-    """Switch the eager mode; pending deferred work runs first."""
-    global _mode
+    """Set the process default eager mode, used by every context (thread) without its own
+    (``eager_mode``). Leaving DEFER_AND_FUSE runs what the contexts that followed it have pending."""
     mode = _coerce(mode)
-    if mode is EagerMode.DEFER_AND_FUSE:
+    if mode is _FUSE:
         _require_fused()
-    if _mode is EagerMode.DEFER_AND_FUSE and mode is not EagerMode.DEFER_AND_FUSE:
-        fused_executor.leave()
-    elif mode is EagerMode.DEFER_AND_FUSE and _mode is not EagerMode.DEFER_AND_FUSE:
-        fused_executor.enter()
-    _mode = mode
+    with _default_lock:
+        previous = execution.default().mode
+        if previous is mode:
+            return
+        execution.set_default(_default_for(mode))
+        followers = list(_default_executors) if previous is _FUSE else []
+    for executor in followers:
+        executor.flush("mode_change")
 
 
 def _coerce(mode) -> EagerMode:
@@ -63,49 +121,94 @@ def _coerce(mode) -> EagerMode:
 
 @contextlib.contextmanager
 def eager_mode(mode: EagerMode | str) -> Iterator[None]:
-    """Run a block in ``mode``, then restore the previous one."""
-    previous = _mode
-    set_mode(mode)
+    """Run a block in ``mode`` in the current context only (this thread or asyncio task), then
+    restore the previous one. Changing mode runs the pending deferred work of the mode left."""
+    mode = _coerce(mode)
+    if mode is _FUSE:
+        _require_fused()
+    outer = current()
+    outer_executor = outer.executor if outer.mode is _FUSE else None
+    if mode is _FUSE:  # a block nested in DEFER_AND_FUSE keeps recording into the same graph
+        inner = Execution(_FUSE, outer_executor or _new_executor())
+    else:
+        inner = _AT_ONCE[mode]
+        if outer_executor is not None:
+            outer_executor.flush("mode_change")
+    token = execution.enter(inner)
     try:
         yield
     finally:
-        set_mode(previous)
-
-
-# The fused mode installs its executor here (eager/fused.py); None while it is unavailable.
-fused_executor = None
+        execution.leave(token)
+        if inner.executor is not None and inner.executor is not outer_executor:
+            inner.executor.flush("mode_change")
 
 
 def _require_fused() -> None:
-    if fused_executor is None:
+    if _new_executor is None:
+        state.start()  # the runtime's start installs the eager kernels and this mode's executor
+    if _new_executor is None:
         raise NotImplementedError("EagerMode.DEFER_AND_FUSE is not available in this build of torchtpu")
 
 
+def deferring() -> bool:
+    """Whether the current context records ops (DEFER_AND_FUSE) rather than running them."""
+    return current().executor is not None
+
+
 def flush(reason: str, wanted=()) -> None:
-    """Run any pending deferred work (a no-op outside DEFER_AND_FUSE); what ``wanted`` (deferred
-    values about to be read) needs runs first, the rest without the caller waiting for it."""
-    if fused_executor is not None:
-        fused_executor.flush(reason, wanted)
+    """Run the current context's pending deferred work (a no-op outside DEFER_AND_FUSE); what
+    ``wanted`` (deferred values about to be read) needs runs first, the rest without the caller
+    waiting for it."""
+    executor = current().executor
+    if executor is not None:
+        executor.flush(reason, wanted)
 
 
-def install_fused(executor) -> None:
-    """Plug in the DEFER_AND_FUSE executor; start recording if that is the initial mode."""
-    global fused_executor
-    fused_executor = executor
-    if _mode is EagerMode.DEFER_AND_FUSE:
-        executor.enter()
+def install_fused(executor_class) -> None:
+    """Plug in the DEFER_AND_FUSE executor class (one instance per context that records)."""
+    global _new_executor
+    _new_executor = executor_class
+
+
+tracing = False
+"""True while ``torchtpu.profiler.trace`` records: each op then runs inside a span named after it."""
 
 
 def execute(kernel, fn, dyn, device_index: int | None = None):
-    """Run one op's jitted program ``fn`` on ``dyn`` in the current mode."""
+    """Run one op's jitted program ``fn`` on ``dyn`` in the current context's mode."""
+    span = TraceAnnotation("dispatch " + kernel.name) if tracing else None
+    if span is not None:
+        span.__enter__()
+    now = current()
+    mode = now.mode
     try:
-        if _mode is EagerMode.DEFER_NEVER or not kernel.lowering.jit:
+        if mode is _NEVER or not kernel.lowering.jit:
             return fn(*dyn)
-        if _mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        if mode is _BLOCKING:
             return jax.block_until_ready(fn(*dyn))
-        return fused_executor.record(kernel, fn, dyn)
+        return now.executor.call(fn, *dyn)
     except jax.errors.JaxRuntimeError as exc:
-        if errors.is_out_of_memory(exc):
-            raise errors.out_of_memory(exc, device_index, kernel.name) from None
-        # name the op that failed, as CUDA_LAUNCH_BLOCKING users expect
-        raise RuntimeError(f"tpu: {kernel.name} failed: {exc}") from exc
+        _op_failed(exc, kernel, device_index)
+    except TypeError:
+        if (mode is _FUSE and kernel.lowering.jit) or not any(isinstance(a, Lazy) for a in dyn):
+            raise
+        # A deferred argument of an op that runs at once: the process default left DEFER_AND_FUSE
+        # while this op was under way in a context that follows it (its arguments were read then).
+        return _at_once(kernel, fn, [a.materialize() if isinstance(a, Lazy) else a for a in dyn], device_index)
+    finally:
+        if span is not None:
+            span.__exit__(None, None, None)
+
+
+def _at_once(kernel, fn, dyn, device_index):
+    try:
+        return fn(*dyn)
+    except jax.errors.JaxRuntimeError as exc:
+        _op_failed(exc, kernel, device_index)
+
+
+def _op_failed(exc, kernel, device_index):
+    if errors.is_out_of_memory(exc):
+        raise errors.out_of_memory(exc, device_index, kernel.name) from None
+    # name the op that failed, as CUDA_LAUNCH_BLOCKING users expect
+    raise RuntimeError(f"tpu: {kernel.name} failed: {exc}") from exc
