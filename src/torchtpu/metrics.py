@@ -1,17 +1,24 @@
 """Always-on counters: ops dispatched, CPU fallbacks, decompositions, transfers, compilations,
-recompilations, fused-eager materialisations.
+recompilations, fused-eager materialisations, evictions from the bounded caches.
 
 Counting is a dict increment on the hot path (``count_op`` runs once per eager op);
 ``snapshot()`` returns the counters as plain data, ``report()`` prints them as tables and
-``reset()`` zeroes them. XLA compilations (eager kernels and compiled graphs alike) are counted
-from JAX's monitoring events, so they cost nothing per call.
+``reset()`` zeroes them. XLA programs are counted from JAX's monitoring events, so they cost
+nothing per call: every program JAX builds is either **compiled** by XLA or **loaded** from the
+persistent compilation cache (``TORCHTPU_CACHE_DIR``), and is counted as a **graph** program
+while a ``torch.compile`` graph is being compiled (``compiling_graph()``), else as an **eager**
+program (eager kernels, view writes, casts, fused-eager programs, and any JAX program of your
+own in the process). ``end_step()`` closes a step: the report then shows the programs each step
+compiled and loaded (a decode loop whose sequence grows by one compiles a few programs per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import threading
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from jax import monitoring
 
@@ -20,9 +27,17 @@ fallbacks: Counter = Counter()
 decompositions: Counter = Counter()
 transfers: Counter = Counter()  # keys: "to_device", "to_host", "to_device_bytes", "to_host_bytes"
 materializations: Counter = Counter()  # fused eager: why pending work had to run
+evictions: Counter = Counter()  # bounded caches (torchtpu/caches.py): entries dropped, by cache
 compiles: defaultdict[str, Counter] = defaultdict(Counter)  # per compiled function
 recompiles: Counter = Counter()  # (function, reason) -> count
 xla_compiles: defaultdict[str, Counter] = defaultdict(Counter)  # per XLA program, from JAX events
+# XLA programs by kind ("eager", "graph"): compiled / loaded (persistent-cache hits), and seconds
+programs: defaultdict[str, Counter] = defaultdict(Counter)
+steps: list[dict[str, int]] = []  # programs per step, closed by end_step() (the last MAX_STEPS)
+MAX_STEPS = 10000
+_steps_ended = 0
+_step_start: Counter = Counter()  # ``programs`` at the start of the current step
+_local = threading.local()  # .graph: compiling a torch.compile graph; .loaded: the build came from disk
 
 
 def count_op(name: str) -> None:
@@ -47,6 +62,11 @@ def count_materialization(reason: str) -> None:
     materializations[reason] += 1
 
 
+def count_eviction(cache: str, n: int = 1) -> None:
+    """Bounded cache ``cache`` dropped ``n`` least recently used entries (it was at its limit)."""
+    evictions[cache] += n
+
+
 def count_compile(name: str, seconds: float = 0.0, cache_hit: bool = False) -> None:
     """One executable lookup for compiled function ``name``: a cache hit, or a compilation of ``seconds``."""
     stats = compiles[name]
@@ -62,17 +82,64 @@ def count_recompile(name: str, reason: str) -> None:
     recompiles[(name, reason)] += 1
 
 
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # a compilation or a persistent-cache load
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded inside that span, before it ends, same thread
+
+
+@contextlib.contextmanager
+def compiling_graph() -> Iterator[None]:
+    """XLA programs built in this block (this thread) are torch.compile graphs, not eager programs."""
+    previous = getattr(_local, "graph", False)
+    _local.graph = True
+    try:
+        yield
+    finally:
+        _local.graph = previous
+
+
+def _on_jax_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT:
+        _local.loaded = True
 
 
 def _on_jax_duration(event: str, duration: float, **kwargs) -> None:
     if event == _BACKEND_COMPILE:
+        loaded = getattr(_local, "loaded", False)
+        _local.loaded = False
         stats = xla_compiles[str(kwargs.get("fun_name", "?"))]
-        stats["compilations"] += 1
+        stats["compilations"] += 1  # built: compiled, or loaded from the persistent cache
         stats["compile_seconds"] += duration
+        kind = programs["graph" if getattr(_local, "graph", False) else "eager"]
+        if loaded:
+            stats["persistent_hits"] += 1
+            kind["loaded"] += 1
+            kind["load_seconds"] += duration
+        else:
+            kind["compiled"] += 1
+            kind["compile_seconds"] += duration
 
 
+monitoring.register_event_listener(_on_jax_event)
 monitoring.register_event_duration_secs_listener(_on_jax_duration)
+
+
+def _program_counts() -> Counter:
+    return Counter({f"{kind}_{what}": programs[kind][what] for kind in ("eager", "graph")
+                    for what in ("compiled", "loaded")})
+
+
+def end_step() -> dict[str, int]:
+    """Close a step (call it once per training or decode step): returns the XLA programs it
+    compiled and loaded (``eager_compiled``, ``eager_loaded``, ``graph_compiled``,
+    ``graph_loaded``); ``report()`` and ``snapshot()["steps"]`` list them per step."""
+    global _step_start, _steps_ended
+    now = _program_counts()
+    step = {"step": _steps_ended, **{k: now[k] - _step_start[k] for k in now}}
+    _step_start, _steps_ended = now, _steps_ended + 1
+    steps.append(step)
+    del steps[:-MAX_STEPS]
+    return step
+
 
 _EXTRA: dict[str, Callable[[], Any]] = {}
 
@@ -98,20 +165,31 @@ def snapshot() -> dict[str, Any]:
         "decompositions": dict(decompositions),
         "transfers": {k: transfers[k] for k in ("to_device", "to_device_bytes", "to_host", "to_host_bytes")},
         "materializations": dict(materializations),
+        "cache_evictions": dict(evictions),
         "compiles": _compile_table(compiles),
         "recompiles": [{"function": f, "reason": r, "count": n} for (f, r), n in recompiles.items()],
-        "xla_compiles": {name: {"compilations": c["compilations"], "compile_seconds": c["compile_seconds"]}
-                         for name, c in xla_compiles.items()},
+        "xla_compiles": {name: {"compilations": c["compilations"], "persistent_hits": c["persistent_hits"],
+                                "compile_seconds": c["compile_seconds"]} for name, c in xla_compiles.items()},
+        "eager_compiles": _kind(programs["eager"]),
+        "graph_compiles": _kind(programs["graph"]),
+        "steps": [dict(step) for step in steps],
     }
     for name, fn in _EXTRA.items():
         snap[name] = fn()
     return snap
 
 
+def _kind(c: Counter) -> dict[str, float]:
+    return {"compilations": c["compiled"], "persistent_hits": c["loaded"], "compile_seconds": c["compile_seconds"],
+            "load_seconds": c["load_seconds"]}
+
+
 def reset() -> None:
-    """Zero every counter kept here (registered sources keep their own)."""
-    for table in (ops, fallbacks, decompositions, transfers, materializations, compiles, recompiles,
-                  xla_compiles):
+    """Zero every counter kept here (registered sources keep their own); steps count from 0 again."""
+    global _steps_ended
+    _steps_ended = 0
+    for table in (ops, fallbacks, decompositions, transfers, materializations, evictions, compiles, recompiles,
+                  xla_compiles, programs, steps, _step_start):
         table.clear()
 
 
@@ -155,13 +233,14 @@ def _transfers(t: dict[str, int]):
     return "host <-> device transfers", table
 
 
-def _compiles(title: str, stats: dict[str, dict[str, float]], top: int):
+def _compiles(title: str, stats: dict[str, dict[str, float]], top: int, noun: str = "compilations"):
     total = sum(s["compilations"] for s in stats.values())
     seconds = sum(s["compile_seconds"] for s in stats.values())
-    heading = f"{title}: {total} compilations, {seconds:.2f} s ({len(stats)} functions)"
+    heading = f"{title}: {total} {noun}, {seconds:.2f} s ({len(stats)} functions)"
     if not stats:
         return heading, None
-    columns = [c for c in ("compilations", "cache_hits", "compile_seconds") if all(c in s for s in stats.values())]
+    columns = [c for c in ("compilations", "cache_hits", "persistent_hits", "compile_seconds")
+               if all(c in s for s in stats.values())]
     table = _table("function", *(">" + c.replace("_", " ") for c in columns))
     ranked = sorted(stats.items(), key=lambda kv: -kv[1]["compile_seconds"])
     for name, s in ranked[:top]:
@@ -169,6 +248,41 @@ def _compiles(title: str, stats: dict[str, dict[str, float]], top: int):
     if len(ranked) > top:
         table.add_row(f"... {len(ranked) - top} more", *("" for _ in columns))
     return heading, table
+
+
+def _programs(snap: dict[str, Any]):
+    table = _table("programs", ">compiled", ">compile s", ">loaded from disk", ">load s")
+    for kind, label in (("eager_compiles", "eager programs"), ("graph_compiles", "torch.compile graphs")):
+        k = snap[kind]
+        table.add_row(label, str(k["compilations"]), f"{k['compile_seconds']:.2f}", str(k["persistent_hits"]),
+                      f"{k['load_seconds']:.2f}")
+    total = snap["eager_compiles"]["compilations"] + snap["graph_compiles"]["compilations"]
+    loaded = snap["eager_compiles"]["persistent_hits"] + snap["graph_compiles"]["persistent_hits"]
+    return f"XLA programs: {total} compiled, {loaded} loaded from the persistent cache", table
+
+
+_STEP_COLUMNS = ("eager_compiled", "eager_loaded", "graph_compiled", "graph_loaded")
+
+
+def _steps(entries: list[dict[str, int]]):
+    """Programs per step (end_step()), runs of equal steps on one row."""
+    if not entries:
+        return "XLA programs per step: call torchtpu.metrics.end_step() after each step to see them", None
+    table = _table("steps", *(">" + c.replace("_", " ") for c in _STEP_COLUMNS))
+    rows: list[list] = []  # [first step, last step, counts]
+    for step in entries:
+        i, counts = step["step"], tuple(step.get(c, 0) for c in _STEP_COLUMNS)
+        if rows and rows[-1][2] == counts and rows[-1][1] == i - 1:
+            rows[-1][1] = i
+        else:
+            rows.append([i, i, counts])
+    for start, end, counts in rows[:40]:
+        table.add_row(str(start) if start == end else f"{start}-{end}", *map(str, counts))
+    if len(rows) > 40:
+        table.add_row(f"... {len(rows) - 40} more rows", *("" for _ in _STEP_COLUMNS))
+    compiled = [s.get("eager_compiled", 0) + s.get("graph_compiled", 0) for s in entries]
+    return (f"XLA programs per step: {len(entries)} steps, {sum(compiled) / len(entries):.1f} compiled per step "
+            f"(last step: {compiled[-1]})"), table
 
 
 def _recompiles(entries: list[dict[str, Any]]):
@@ -197,9 +311,13 @@ def report(top: int = 15, file=None) -> str:
                 _counts("decompositions", snap["decompositions"], top),
                 _transfers(snap["transfers"]),
                 _counts("fused-eager materialisations", snap["materializations"], top),
+                _counts("cache evictions", snap["cache_evictions"], top),
                 _compiles("compiled functions", snap["compiles"], top),
                 _recompiles(snap["recompiles"]),
-                _compiles("XLA compilations", snap["xla_compiles"], top)]
+                _programs(snap),
+                _steps(snap["steps"]),
+                _compiles("XLA programs by function", snap["xla_compiles"], top,
+                          "built (compiled, or loaded: persistent hits)")]
     sections += [_extra(name, snap[name]) for name in _EXTRA]
     text = Console(file=io.StringIO(), width=120, color_system=None)
     shown = Console(file=file, width=120)  # file=None: stdout

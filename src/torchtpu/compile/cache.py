@@ -1,9 +1,31 @@
 """Compilation caches: the in-memory executables' statistics and JAX's persistent cache on disk.
 
 Every compiled graph keeps its executables per input signature in memory (``executable.py``);
-this module counts their lookups and compilations, and points JAX's persistent compilation
-cache at ``TORCHTPU_CACHE_DIR`` so a second process loads executables instead of compiling.
-Persistent-cache hits are counted from JAX's monitoring events.
+this module counts their lookups and compilations. ``install()`` (called once, when the runtime
+starts, before anything compiles) makes JAX's persistent compilation cache serve torchtpu, so a
+second process loads executables instead of compiling them: torch.compile graphs and eager
+programs (each eager kernel, per op and input shapes) alike. Persistent-cache hits are counted
+from JAX's monitoring events.
+
+**The JAX settings torchtpu changes** (JAX settings are global to the process, so they apply to
+JAX programs of your own in the same process too). Each is set once, by ``install()``, and only
+where you have not chosen a value yourself (an environment variable such as
+``JAX_COMPILATION_CACHE_DIR``, or ``jax.config.update`` before the runtime starts):
+
+- ``jax_enable_x64 = True`` (set by the runtime, not here): torch's int64/float64 need it.
+- ``jax_compilation_cache_dir = $TORCHTPU_CACHE_DIR/xla``: where executables are kept. An empty
+  ``TORCHTPU_CACHE_DIR`` leaves the cache off (and the thresholds below untouched).
+- ``jax_persistent_cache_min_compile_time_secs = 0`` (JAX's default: 1 s). JAX writes only
+  programs that took at least this long to compile; an eager kernel compiles in 5-100 ms, so
+  with the default none was written and every process compiled every kernel again (a decode
+  loop: all of them, in every process). At 0 every program is written: on XLA:CPU an entry is
+  about 4 KiB and writing it takes about 1.5 ms, against about 100 ms to compile it.
+
+``jax_persistent_cache_min_entry_size_bytes`` is left alone: JAX's default (0) already keeps
+entries of any size. torch.compile graphs are written whatever the thresholds (``compile_lowered``
+sets both to their minimum for its own compilations only, thread-locally). The cache is never
+evicted (JAX's ``jax_compilation_cache_max_size`` stays unlimited): delete the directory to
+reclaim the space.
 """
 
 from __future__ import annotations
@@ -20,12 +42,16 @@ import jax
 from jax._src import compilation_cache as _jax_cache
 from jax._src import config as _jax_config
 
+from torchtpu import metrics
 from torchtpu.config import config
 
 # JAX's monitoring events for its persistent cache (jax/_src/compiler.py).
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _MISS_EVENT = "/jax/compilation_cache/cache_misses"
 _UNREADABLE_WARNING = "Error reading persistent compilation cache entry"
+# JAX's default for jax_persistent_cache_min_compile_time_secs, and the variable that sets it.
+_JAX_MIN_COMPILE_TIME_DEFAULT = 1.0
+_MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -93,7 +119,11 @@ def persistent_cache_dir() -> str | None:
 
 
 def install() -> None:
-    """Point JAX's persistent cache at torchtpu's cache dir (unless the user chose one) and listen to it."""
+    """Make JAX's persistent cache serve torchtpu (see the module docstring) and listen to it.
+
+    Call it once, when the runtime starts and before anything compiles; later calls do nothing.
+    Where the user chose the cache directory or the threshold, their choice is kept.
+    """
     global _installed
     if _installed:
         return
@@ -103,7 +133,18 @@ def install() -> None:
         jax.config.update("jax_compilation_cache_dir", path)
         # JAX decides once, at its first compilation, whether the cache is used: re-decide.
         _jax_cache.reset_cache()
+    if _jax_config.compilation_cache_dir.value is not None and _jax_config.enable_compilation_cache.value:
+        _keep_small_programs()
     jax.monitoring.register_event_listener(_on_event)
+
+
+def _keep_small_programs() -> None:
+    """Persist programs however fast they compiled (eager kernels), unless the user set a threshold."""
+    if os.environ.get(_MIN_COMPILE_TIME_ENV) is not None:
+        return
+    if _jax_config.persistent_cache_min_compile_time_secs.value != _JAX_MIN_COMPILE_TIME_DEFAULT:
+        return
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -120,7 +161,8 @@ def _on_event(event: str, **kwargs) -> None:
 def _ours() -> Iterator[None]:
     _local.active = True
     try:
-        yield
+        with metrics.compiling_graph():
+            yield
     finally:
         _local.active = False
 

@@ -2,6 +2,12 @@
 
 Registered as PyTorch's boxed fallback for the ``tpu`` dispatch key, so it sees every op that
 has no kernel of ours and no composite kernel of PyTorch's.
+
+Sparse tensors are not supported on tpu: ops that dispatch to the sparse tpu keys (a sparse
+tensor moved to tpu, a sparse factory on tpu, an op mixing a tpu tensor with a sparse one) reach
+``sparse_not_supported`` (registered for those keys), and a sparse argument or result in the
+fallback raises the same error, instead of PyTorch's generic "Could not run ... with arguments
+from the 'Sparsetpu' backend".
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import threading
 from typing import Iterator
 import warnings
 
+from jax.profiler import TraceAnnotation
 import torch
 from torch._decomp import decomposition_table
 from torch.utils._pytree import tree_map
@@ -19,9 +26,54 @@ from torchtpu import metrics
 from torchtpu.config import config
 from torchtpu.device import bridge
 from torchtpu.eager import modes, transfer
+from torchtpu.runtime import state
 
 _active = threading.local()
 _warned: set[str] = set()
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+_SPARSE_KEYS = ("SparsePrivateUse1", "SparseCsrPrivateUse1")
+_sparse_libs: list[torch.library.Library] = []
+
+
+def sparse_error(op, layout=None) -> NotImplementedError:
+    got = f" (got a {str(layout).replace('torch.', '')} tensor)" if layout is not None else ""
+    return NotImplementedError(f"sparse tensors are not supported on tpu: {op} cannot run{got}. "
+                               f"Use dense tensors on tpu (.to_dense()), or run the sparse op on the CPU.")
+
+
+def sparse_not_supported(op, *args, **kwargs):
+    """The boxed fallback of the sparse tpu dispatch keys."""
+    found = _first_sparse(args, kwargs)
+    raise sparse_error(op, found.layout if found is not None else None)
+
+
+def install_sparse_fallback() -> None:
+    """Register ``sparse_not_supported`` for the sparse tpu dispatch keys (idempotent)."""
+    if _sparse_libs:
+        return
+    for key in _SPARSE_KEYS:
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(sparse_not_supported, key)
+        _sparse_libs.append(lib)
+
+
+def _makes_sparse(op) -> bool:
+    """An aten op about sparse tensors (``to_sparse``, ``_sparse_*``): none runs on tpu."""
+    name = op._schema.name
+    return name.startswith("aten::") and "sparse" in name
+
+
+def _first_sparse(args, kwargs):
+    """The first sparse tensor among the arguments (or in a list argument), else None."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.layout in _SPARSE_LAYOUTS:
+                return value
+        elif isinstance(value, (list, tuple)):
+            for x in value:
+                if isinstance(x, torch.Tensor) and x.layout in _SPARSE_LAYOUTS:
+                    return x
+    return None
 
 
 def enable_cpu_fallback(enabled: bool = True) -> None:
@@ -45,6 +97,9 @@ def cpu_fallback_enabled(enabled: bool) -> Iterator[None]:
 
 
 def fallback(op, *args, **kwargs):
+    sparse = _first_sparse(args, kwargs)
+    if sparse is not None or _makes_sparse(op):
+        raise sparse_error(op, sparse.layout if sparse is not None else None)
     decomposition = decomposition_table.get(op)
     running = getattr(_active, "ops", None)
     if running is None:
@@ -63,6 +118,13 @@ def fallback(op, *args, **kwargs):
 
 def cpu_fallback(op, *args, **kwargs):
     """Run ``op`` on the CPU and move the results back, counted and warned about once per op."""
+    if modes.tracing:  # a torchtpu.profiler.trace is recording
+        with TraceAnnotation(f"cpu_fallback {op}"):
+            return _cpu_fallback(op, *args, **kwargs)
+    return _cpu_fallback(op, *args, **kwargs)
+
+
+def _cpu_fallback(op, *args, **kwargs):
     name = str(op)
     if not config.cpu_fallback:
         raise NotImplementedError(
@@ -73,7 +135,7 @@ def cpu_fallback(op, *args, **kwargs):
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"tpu: {name} has no lowering; running it on the CPU (slow, counted in "
-                      f"torchtpu.metrics). Please report it.", stacklevel=3)
+                      f"torchtpu.metrics). Please report it.", stacklevel=4)
     modes.flush("cpu_fallback")
     device = None
 
@@ -86,7 +148,8 @@ def cpu_fallback(op, *args, **kwargs):
 
     def to_tpu(x):
         if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-            return bridge.wrap(transfer.to_device(x, device.index or 0), device.index or 0)
+            index = state.device_index(device)
+            return bridge.wrap(transfer.to_device(x, index), index)
         return x
 
     cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
@@ -95,6 +158,9 @@ def cpu_fallback(op, *args, **kwargs):
     if "device" in cpu_kwargs and cpu_kwargs["device"] is not None:
         cpu_kwargs["device"] = torch.device("cpu")
     result = op(*cpu_args, **cpu_kwargs)
+    sparse = _first_sparse(result if isinstance(result, (tuple, list)) else (result,), {})
+    if sparse is not None:  # e.g. to_sparse() of a tpu tensor
+        raise sparse_error(op, sparse.layout)
     # write mutated arguments back and return the original tensors for aliased outputs
     schema = op._schema
     flat_inputs = list(args) + [kwargs.get(a.name) for a in schema.arguments if a.kwarg_only]
@@ -107,7 +173,7 @@ def cpu_fallback(op, *args, **kwargs):
                 and orig.device.type == "tpu":
             if tuple(orig.shape) != tuple(cpu.shape):
                 orig.resize_(cpu.shape)
-            bridge.write(orig, transfer.to_device(cpu, orig.device.index or 0))
+            bridge.write(orig, transfer.to_device(cpu, orig.get_device()))
             aliased[id(cpu)] = orig
     return tree_map(lambda x: aliased[id(x)] if id(x) in aliased else to_tpu(x), result)
 
@@ -117,3 +183,7 @@ def _device_of(kwargs) -> torch.device:
     if device is not None and torch.device(device).type == "tpu":
         return torch.device(device)
     return torch.device("tpu", 0)
+
+
+# The eager layer's kernels and this fallback are installed together, when the runtime starts.
+install_sparse_fallback()

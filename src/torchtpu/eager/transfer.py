@@ -13,7 +13,7 @@ from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, to_jax_dtype
-from torchtpu.runtime import platform, state
+from torchtpu.runtime import placement, state
 
 aten = torch.ops.aten
 
@@ -46,27 +46,28 @@ def to_device(t: torch.Tensor, index: int) -> jax.Array:
     # A private host copy: the transfer may still be reading the buffer after device_put returns
     # (and XLA:CPU may keep using it), so a later in-place change of the CPU tensor would show
     # through the tpu tensor.
-    return jax.device_put(np.array(array, copy=True), platform.jax_device(index))
+    return placement.put(np.array(array, copy=True), index)
 
 
-def read_now(t: torch.Tensor, reason: str) -> jax.Array:
+def read_for_host(t: torch.Tensor, reason: str) -> jax.Array:
     """``t``'s elements as a concrete array. In DEFER_AND_FUSE, the pending work ``t`` needs runs
-    first and the caller waits only for that; the rest runs behind it."""
-    if not bridge.deferring:
-        return bridge.concrete(t)
+    first and the caller waits only for that; the rest runs behind it. (A value another context
+    recorded is computed by ``bridge.read``, by its own executor.)"""
     value = bridge.read(t)
-    modes.flush(reason, wanted=(value,))
-    return value.materialize() if isinstance(value, bridge.LAZY_TYPES) else value
+    executor = modes.current().executor
+    if executor is not None:
+        executor.flush(reason, wanted=(value,))
+    return value.materialize() if isinstance(value, bridge.Lazy) else value
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A ``tpu`` tensor's values as a new CPU tensor."""
-    array = np.asarray(read_now(t, "transfer_to_host"))
+    array = np.asarray(read_for_host(t, "transfer_to_host"))
     metrics.count_transfer("to_host", array.nbytes)
     return numpy_to_host(array, t.dtype).reshape(t.shape)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _to_shape(shape, dtype):
     return jax.jit(lambda x: jnp.broadcast_to(x, shape).astype(dtype))
 
@@ -75,12 +76,12 @@ def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":  # tpu → host
         self.copy_(to_host(src))
         return self
-    index = self.device.index or 0
+    index = self.get_device()
     to_jax_dtype(self.dtype)
     if src.device.type == "tpu":
         value = bridge.read(src)
-        if (src.device.index or 0) != index:
-            value = jax.device_put(bridge.concrete(src), platform.jax_device(index))
+        if src.get_device() != index:
+            value = placement.put(bridge.read_computed(src), index)
     else:
         value = to_device(src, index)
     target = TORCH_TO_JAX[self.dtype]
@@ -119,14 +120,14 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         return to_host(self).to(dtype)
     if device.type != "tpu":
         raise RuntimeError(f"tpu: cannot copy a tpu tensor to {device} directly; go through .cpu() first")
-    index = device.index if device.index is not None else (self.device.index or 0)
+    index = device.index if device.index is not None else self.get_device()
     value = bridge.read(self)
     target = TORCH_TO_JAX[dtype]
-    if value.dtype != target or value is getattr(self.untyped_storage(), bridge.ATTR, None):
+    stored = getattr(self.untyped_storage(), bridge.ATTR, None)
+    if value.dtype != target or value is stored or (isinstance(stored, bridge.Lazy) and value is stored.value):
         value = bridge.apply(_cast(target), value)  # (a copy must not share the source's buffer)
-    if index != (self.device.index or 0):
-        value = jax.device_put(value.materialize() if isinstance(value, bridge.LAZY_TYPES) else value,
-                               platform.jax_device(index))
+    if index != self.get_device():
+        value = placement.put(value.materialize() if isinstance(value, bridge.Lazy) else value, index)
     return bridge.wrap(value, index)
 
 
@@ -134,7 +135,10 @@ _current_device = state.current_device
 
 
 def _local_scalar_dense(self):
-    return read_now(self, "item").item()
+    """``.item()``: one element to the host, counted as a transfer like ``.cpu()``."""
+    value = read_for_host(self, "item").item()
+    metrics.count_transfer("to_host", self.element_size())
+    return value
 
 
 def equal(self, other) -> bool:
