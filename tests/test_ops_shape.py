@@ -1,5 +1,5 @@
 """Shape ops on tpu against PyTorch CPU: copies, cat/stack, flips, padding, triangles, *_scatter,
-the *_copy view ops, and the compile-only VIEW_LOWERINGS table."""
+the *_copy view ops, and the lowerings compiled graphs use for views."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from torchtpu.ops import registry
 from torchtpu.ops import shape as shape_ops
 from tpu_compare import check
 
@@ -247,7 +248,7 @@ VIEW_CASES = [
 @pytest.mark.parametrize("op,args", VIEW_CASES, ids=[f"{op}-{i}" for i, (op, _) in enumerate(VIEW_CASES)])
 def test_view_lowerings_match_torch(op, args):
     expected = op(*args)
-    got = shape_ops.VIEW_LOWERINGS[op](*[_jnp(a) for a in args])
+    got = registry.for_graph(op).call(None, [_jnp(a) for a in args], {})
     if isinstance(expected, (list, tuple)):
         assert len(got) == len(expected)
         pairs = zip(got, expected)
@@ -259,17 +260,38 @@ def test_view_lowerings_match_torch(op, args):
 
 def test_to_copy_lowering_casts():
     x = jnp.asarray([1.7, -2.2])
-    out = shape_ops.VIEW_LOWERINGS[aten._to_copy.default](x, dtype=torch.int64, device=torch.device("cpu"))
+    out = registry.for_graph(aten._to_copy.default).fn(x, dtype=torch.int64, device=torch.device("cpu"))
     assert_close(torch.from_numpy(np.array(out)), torch.tensor([1.7, -2.2]).to(torch.int64))
 
 
-def test_view_ops_are_not_eager_lowerings():
-    """Eager must keep views as metadata: no view overload may be a registered lowering."""
-    from torchtpu.ops import registry
+def test_view_ops_are_views_in_eager():
+    """Eager must keep views as metadata: every view overload is declared a view (its eager kernel
+    shares the base's storage), and the graph-only ones get no eager kernel at all."""
+    from torchtpu.eager import register
 
-    graph_only = set(shape_ops._VIEWS) | {aten._to_copy.default, aten.zeros_like.default, aten.full_like.default}
-    assert graph_only <= set(shape_ops.VIEW_LOWERINGS)
+    kernels = register.kernels()
+    for op in shape_ops._VIEWS:
+        assert registry.LOWERINGS[op].view, op
+        assert op not in kernels or not hasattr(kernels[op], "lowering"), op  # never a computing kernel
+    graph_only = {aten._to_copy.default, aten.zeros_like.default, aten.full_like.default, aten.alias.default,
+                  aten.detach.default}
+    assert graph_only <= set(registry.GRAPH_ONLY)
     assert not graph_only & set(registry.LOWERINGS)
+
+
+@pytest.mark.parametrize("make", [lambda x: x.t(), lambda x: x.permute(1, 0), lambda x: x[1:, ::2],
+                                  lambda x: x.unsqueeze(0).expand(2, 3, 4), lambda x: x.diagonal(),
+                                  lambda x: x.view(torch.int32), lambda x: x.unfold(1, 2, 1),
+                                  lambda x: x.split(1)[2], lambda x: x.unbind(1)[3]],
+                         ids=["t", "permute", "slice", "expand", "diagonal", "view_dtype", "unfold", "split",
+                              "unbind"])
+def test_eager_views_share_storage(make):
+    x = torch.arange(12.0).reshape(3, 4)
+    t = x.to("tpu")
+    v, expected = make(t), make(x)
+    assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert (v.shape, v.stride(), v.storage_offset()) == (expected.shape, expected.stride(), expected.storage_offset())
+    assert_close(v.cpu(), expected)
 
 
 def _compiled_shape_fn(x, i):

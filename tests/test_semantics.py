@@ -335,3 +335,13 @@ def test_equal_returns_a_python_bool():
     assert torch.equal(t, t + 1) is False and torch.equal(t, t[:2]) is False
     nan = torch.tensor([float("nan")])
     assert torch.equal(nan.to("tpu"), nan.to("tpu")) == torch.equal(nan, nan)
+
+
+def test_inference_mode_views_of_normal_tensors():
+    x = torch.randn(3, 4, device="tpu")
+    linear = torch.nn.Linear(4, 2).to("tpu")
+    with torch.inference_mode():
+        view = x.t()
+        out = linear(x)
+    assert not view.is_inference() and out.is_inference()  # as on the CPU
+    torch.testing.assert_close(out.cpu(), linear.cpu()(x.cpu()).detach())

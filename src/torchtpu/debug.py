@@ -244,7 +244,8 @@ def compare_with_cpu(model_or_fn: Callable, *inputs, rtol: float | None = None, 
 
 
 def pending_graph() -> list[str]:
-    """The ops recorded by ``EagerMode.DEFER_AND_FUSE`` and not yet run, in order."""
+    """The ops this thread (context) recorded in ``EagerMode.DEFER_AND_FUSE`` and has not run yet,
+    in order."""
     from torchtpu.eager import fused
 
     return fused.pending_graph()

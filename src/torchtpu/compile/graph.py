@@ -1,14 +1,14 @@
 """A core-aten FX graph as one pure JAX function, built from the shared op registry.
 
-Each node's aten overload is looked up in the graph-only table below (input mutation, prims),
-then in ``VIEW_LOWERINGS`` (views become values in a functional graph), then in the registry.
+Each node's aten overload is looked up with ``registry.for_graph`` (graph-only lowerings first:
+input mutation, prims; views become values in a functional graph) and called as every executor
+calls a lowering (``Lowering.call``).
 Python callables in the graph (``operator.getitem``, SymInt arithmetic) run as they are: shapes
 and scalars are concrete while the function is traced, so they are static.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,70 +20,22 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from torchtpu.ops import foreach, registry
-from torchtpu.runtime.dtypes import to_jax_dtype
-from torchtpu.runtime import rng
+from torchtpu.ops import registry
+from torchtpu.runtime import platform, rng
 
 aten = torch.ops.aten
 
 
-def _copy(dst, src, non_blocking=False):
-    return jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
-
-
-def _convert_element_type(x, dtype):
-    return x.astype(to_jax_dtype(dtype))
-
-
-# Overloads whose meaning is specific to graphs: mutation epilogues, and the lazy conjugate and
-# negation bits (eager resolves them in the bridge; a graph computes them).
-GRAPH_LOWERINGS: dict[OpOverload, Callable] = {
-    aten.copy.default: _copy,
-    aten.copy_.default: _copy,
-    aten._conj.default: jnp.conj,
-    aten._neg_view.default: jnp.negative,
-    # views between complex and (re, im) pairs are values in a functional graph
-    aten.view_as_real.default: lambda x: jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1),
-    aten.view_as_complex.default: lambda x: jax.lax.complex(x[..., 0], x[..., 1]),
-}
-
-# prims some decompositions produce (fma is registered only once Inductor is imported).
-PRIMS_LOWERINGS: dict[str, Callable] = {
-    "prims::fma": lambda a, b, c: a * b + c,
-    "prims::convert_element_type": _convert_element_type,
-}
-
-
-def _graph_lowering(op: OpOverload) -> Callable | None:
-    schema = getattr(op, "_schema", None)  # higher-order operators have none
-    if schema is None:
-        return None
-    return GRAPH_LOWERINGS.get(op) or PRIMS_LOWERINGS.get(schema.name) or _foreach(op)
-
-
-@functools.cache
-def _foreach(op: OpOverload) -> Callable | None:
-    """``_foreach_add.List(xs, ys)`` as ``[add.Tensor(x, y) for x, y in zip(xs, ys)]``."""
-    if not op._schema.name.startswith("aten::_foreach_"):
-        return None
-    return foreach.foreach_fn(op, tuple(view_lowerings().items()))
-
-
-def view_lowerings() -> dict[OpOverload, Callable]:
-    from torchtpu.ops import shape
-
-    return getattr(shape, "VIEW_LOWERINGS", {})
-
-
 def has_lowering(op: OpOverload) -> bool:
-    low = registry.LOWERINGS.get(op)
-    return _graph_lowering(op) is not None or op in view_lowerings() or (low is not None and not low.mutates)
+    low = registry.for_graph(op)
+    return low is not None and not low.mutates
 
 
 @dataclass
 class _Step:
     node: Node
-    fn: Callable
+    fn: Callable  # a Python callable of the graph (getitem, SymInt arithmetic), or a constant's maker
+    lowering: registry.Lowering | None = None  # an aten op's: called as every executor calls it
     random_index: int = -1  # >= 0: the op takes a key, folded from the call's key with this index
 
 
@@ -94,10 +46,10 @@ class MissingLowering(NotImplementedError):
 def _with_effects(token, op: OpOverload, *args, **kwargs):
     """aot_autograd's wrapper for ops with side effects (``_linalg_check_errors``): run the op's
     lowering in order and pass the token through; returns (token, *outputs)."""
-    low = registry.LOWERINGS.get(op)
+    low = registry.for_graph(op)
     if low is None:
         raise MissingLowering(str(op))
-    out = low.fn(*args, **kwargs)
+    out = low.call(None, args, kwargs, platform.platform())
     outs = () if out is None else tuple(out) if isinstance(out, (tuple, list)) else (out,)
     if token is None:  # the runtime passes no token in; the graph still returns one (discarded)
         token = jnp.zeros((0,), jnp.float32)
@@ -110,16 +62,13 @@ def _resolve(node: Node, random_count: int) -> _Step:
         return _Step(node, _with_effects)
     if not isinstance(target, OpOverload):
         return _Step(node, target)
-    fn = _graph_lowering(target) or view_lowerings().get(target)
-    if fn is not None:
-        return _Step(node, fn)
-    low = registry.LOWERINGS.get(target)
-    if low is None or low.mutates:  # functionalisation removes ops that write their arguments
+    low = registry.for_graph(target)
+    if low is None:
         raise MissingLowering(str(target))
-    if not low.jit:
-        raise MissingLowering(f"tpu: {target} has a data-dependent output shape and cannot run in a "
-                              f"compiled graph; mark the code with torch._dynamo.graph_break() before it")
-    return _Step(node, low.fn, random_count if low.random else -1)
+    problem = low.graph_problem()
+    if problem is not None:
+        raise MissingLowering(problem)
+    return _Step(node, low.fn, low, random_count if low.random else -1)
 
 
 @dataclass
@@ -163,6 +112,7 @@ class GraphFunction:
     def __call__(self, key, inputs: list) -> tuple[list, list]:
         """Trace the graph on ``inputs``; returns (outputs, new values of the mutated inputs)."""
         env: dict[Node, Any] = dict(zip(self.placeholders, inputs))
+        plat = platform.platform()
         mutations: dict[int, Any] = {}
         place = {n: i for i, n in enumerate(self.placeholders)}
         for step in self.steps:
@@ -171,9 +121,11 @@ class GraphFunction:
                 env[node] = step.fn()
                 continue
             args, kwargs = _values(node.args, env), _values(node.kwargs, env)
-            if step.random_index >= 0:
-                args = (jax.random.fold_in(key, step.random_index), *args)
-            value = step.fn(*args, **kwargs)
+            if step.lowering is None:
+                value = step.fn(*args, **kwargs)
+            else:
+                op_key = jax.random.fold_in(key, step.random_index) if step.random_index >= 0 else None
+                value = step.lowering.call(op_key, args, kwargs, plat)
             env[node] = value
             if node.target is aten.copy_.default and node.args[0] in place:
                 # later reads of the input see the new value, as the mutation in eager would

@@ -7,6 +7,14 @@ write the result back through the bridge, so views and aliases see the update.
 
 This is the hot path: everything derivable from the op's schema is computed once, at
 registration, into ``_Signature``; a call walks its arguments once.
+
+A view argument (a slice, a transpose, a reshape of another shape than its storage's array) is
+read **inside the op's program**: the call passes the storage's array and the view's offset, and
+the key says how to read it (``_View``: shape, strides, dtype). A separate gather program per
+view geometry was one more XLA compilation per new shape (a small GPT's decode loop, whose
+sequence grows by one each step, compiled 32 programs per step; 21 with the reads inside the
+ops: ``benchmarks/decode_compiles.py``) and one more launch and copy per call (``weight.t()``
+in every ``nn.Linear``); inside the op, XLA fuses the read.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import functools
 import math
 
 import jax
+from jax._src.array import ArrayImpl
 import numpy as np
 import torch
 from torch._ops import OpOverload
@@ -22,9 +31,9 @@ from torch._ops import OpOverload
 from torchtpu.device import bridge
 from torchtpu.eager import modes
 from torchtpu.ops.registry import Lowering
-from torchtpu.runtime import platform, rng, state
-from torchtpu.runtime.dtypes import TORCH_TO_JAX
-from torchtpu import metrics
+from torchtpu.runtime import placement, platform, rng, state
+from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
+from torchtpu import caches, metrics
 
 _TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
 _PY_SCALARS = (bool, int, float, complex)
@@ -114,10 +123,45 @@ def device_mismatch(a: torch.device, b: torch.device) -> RuntimeError:
         f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
 
 
-class TensorList(tuple):
-    """Key entry for a ``Tensor[]`` argument: DYN or None per element."""
+class ListKey(tuple):
+    """Key entry for a ``Tensor[]`` argument: DYN, a ``_View`` or None per element."""
 
     __slots__ = ()
+
+
+class _View:
+    """Key entry for a view read inside the op's program: two dynamic values (the storage's
+    array and the view's offset) and this geometry. Strides of size-1 dims are normalised (they
+    address nothing), so ``logits[:, -1]`` of a growing sequence is one geometry."""
+
+    __slots__ = ("shape", "strides", "dtype", "_hash")
+
+    def __init__(self, shape: tuple, strides: tuple, dtype):
+        self.shape, self.strides, self.dtype = shape, strides, dtype
+        self._hash = hash((_View, shape, strides, dtype))
+
+    def __eq__(self, other):
+        return other.__class__ is _View and self.shape == other.shape and self.strides == other.strides \
+            and self.dtype == other.dtype
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"<view {self.shape} {self.strides} {self.dtype}>"
+
+    def read(self, array, offset):
+        """The view's elements, traced into the op's program (the bridge's gather, inlined)."""
+        return bridge._gather(tuple(array.shape), array.dtype, self.shape, self.strides, self.dtype)(array, offset)
+
+
+@functools.lru_cache(maxsize=16384)
+def _view(shape: tuple, strides: tuple, dtype) -> _View:
+    contiguous = bridge._strides_of(shape)
+    return _View(shape, tuple(c if n == 1 else s for n, s, c in zip(shape, strides, contiguous)), dtype)
 
 
 class Call:
@@ -125,15 +169,18 @@ class Call:
     index of the tpu device the tensor arguments are on (None if there are none).
 
     ``key`` is ``(positional entries, keyword (name, entry) pairs)``; an entry is DYN for one
-    array, a ``TensorList`` for a list of them, or the static value itself (lists as tuples).
+    array, a ``_View`` for a view read inside the program (two dynamic values: its storage's
+    array and its offset), a ``ListKey`` for a list of tensors, or the static value itself
+    (lists as tuples).
     """
 
-    __slots__ = ("key", "dyn", "device", "read")
+    __slots__ = ("key", "dyn", "device", "read", "fold")
 
     def __init__(self, sig: _Signature, args, kwargs, concrete: bool = False):
         dyn: list = []
         self.device = None
-        self.read = read = bridge.concrete if concrete else bridge.read
+        self.read = bridge.read_computed if concrete else bridge.read
+        self.fold = fold = not concrete  # views are read inside the jitted program (see _View)
         kinds = sig.positional
         nkinds = len(kinds)
         take = self._take
@@ -145,8 +192,7 @@ class Call:
                 index = a.get_device()
                 if index >= 0 and (self.device is None or self.device == index):
                     self.device = index
-                    dyn.append(read(a))
-                    positional.append(DYN)
+                    positional.append(_read_into(a, dyn) if fold else _append(dyn, self.read(a)))
                     continue
             positional.append(take(kind, a, dyn))
         positional = tuple(positional)
@@ -160,6 +206,9 @@ class Call:
             if a is None:
                 return None
             if isinstance(a, torch.Tensor):
+                if self.fold and a.get_device() >= 0:
+                    self._check_device(a)
+                    return _read_into(a, dyn)
                 dyn.append(self._array(a))
             elif isinstance(a, _PY_SCALARS):
                 dyn.append(_scalar(a))  # weakly typed: a Python number to the lowering
@@ -175,14 +224,24 @@ class Call:
                     # as on CUDA, a CPU index tensor may index a device tensor: it is sent over
                     dyn.append(transfer_to_device(t, self.device or 0))
                     pattern.append(DYN)
+                elif self.fold and t.get_device() >= 0:
+                    self._check_device(t)
+                    pattern.append(_read_into(t, dyn))
                 else:
                     dyn.append(self._array(t))
                     pattern.append(DYN)
-            return TensorList(pattern)
+            return ListKey(pattern)
         if isinstance(a, torch.Tensor):  # a Tensor in an untyped slot
             dyn.append(self._array(a))
             return DYN
         return _freeze(a)
+
+    def _check_device(self, t: torch.Tensor) -> None:
+        index = t.get_device()
+        if self.device is None:
+            self.device = index
+        elif self.device != index:
+            raise device_mismatch(torch.device("tpu", self.device), t.device)
 
     def _array(self, t: torch.Tensor):
         index = t.get_device()  # -1 on the CPU; cheaper than t.device.type on this hot path
@@ -196,6 +255,33 @@ class Call:
             # PyTorch lets a CPU 0-d tensor join any device's op as a scalar
             return _host_scalar(t.item(), t.dtype)
         raise device_mismatch(torch.device("tpu", self.device or 0), t.device)
+
+
+def _append(dyn: list, value):
+    dyn.append(value)
+    return DYN
+
+
+def _read_into(t: torch.Tensor, dyn: list):
+    """Append what the jitted program needs to read ``t`` to ``dyn``; returns its key entry.
+
+    The storage's array itself when ``t`` is all of it (DYN), else the array and ``t``'s offset
+    with the view's geometry (a ``_View``, read inside the program). Everything else takes
+    ``bridge.read``: storages holding no computed array (none yet, or a fused-eager deferred
+    value), lazy conjugate/negation bits, other dtypes (``view.dtype``, bytes after
+    ``torch.load``).
+    """
+    array = getattr(t.untyped_storage(), bridge.ATTR, None)
+    if array.__class__ is ArrayImpl and array.dtype == TORCH_TO_JAX.get(t.dtype) \
+            and not (t.is_conj() or t.is_neg()):
+        dyn.append(array)
+        shape = t.shape
+        if array.shape == shape and t.is_contiguous() and t.storage_offset() == 0:
+            return DYN
+        dyn.append(_scalar(t.storage_offset()))
+        return _view(tuple(shape), t.stride(), array.dtype)
+    dyn.append(bridge.read(t))
+    return DYN
 
 
 # Scalars as cached device values: JAX converts a Python number or numpy scalar argument on every
@@ -221,13 +307,13 @@ def _host_scalar(value, dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=4096)
 def _cached_scalar(kind, value, sign):
-    with jax.default_device(platform.jax_device(0)):
+    with placement.default(0):
         return jax.numpy.asarray(value)
 
 
 @functools.lru_cache(maxsize=4096)
 def _cached_host_scalar(value, dtype, sign):
-    with jax.default_device(platform.jax_device(0)):
+    with placement.default(0):
         return jax.numpy.asarray(np.asarray(value, dtype=TORCH_TO_JAX[dtype]))
 
 
@@ -237,15 +323,18 @@ def transfer_to_device(t: torch.Tensor, index: int):
     return to_device(t, index)
 
 
-def _rebuild(key, dyn):
-    """Inverse of ``Call``: the lowering's (args, kwargs) from a static key and arrays."""
+def rebuild(key, dyn):
+    """Inverse of ``Call`` (and of ``ForeachKernel``'s reader): the lowering's (args, kwargs)
+    from a static key and the dynamic values, in order. Lists may nest (a foreach op's lists)."""
     it = iter(dyn)
 
     def value(k):
         if k is DYN:
             return next(it)
-        if isinstance(k, TensorList):
-            return [None if p is None else next(it) for p in k]
+        if k.__class__ is _View:
+            return k.read(next(it), next(it))
+        if isinstance(k, ListKey):
+            return [None if p is None else value(p) for p in k]
         return _thaw(k)
 
     positional, keyword = key
@@ -262,7 +351,7 @@ class Kernel:
         self.lowering = lowering
         self.sig = _Signature(self.op, lowering.static_scalars)
         self.name = str(self.op)
-        self._jitted: dict = {}
+        self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes
 
     def compiled(self, key, device_index: int | None):
         cache_key = (key, device_index)
@@ -272,29 +361,29 @@ class Kernel:
         return fn
 
     def _build(self, key, device_index):
-        lower, sig, random = self.lowering.fn, self.sig, self.lowering.random
+        lowering, plat = self.lowering, platform.platform()
 
-        if random:
+        if lowering.random:
             def run(seed_hi, seed_lo, offset, *dyn):
-                args, kwargs = _rebuild(key, dyn)
-                return lower(rng.make_key(seed_hi, seed_lo, offset), *args, **kwargs)
+                args, kwargs = rebuild(key, dyn)
+                return lowering.call(rng.make_key(seed_hi, seed_lo, offset), args, kwargs, plat)
         else:
             def run(*dyn):
-                args, kwargs = _rebuild(key, dyn)
-                return lower(*args, **kwargs)
+                args, kwargs = rebuild(key, dyn)
+                return lowering.call(None, args, kwargs, plat)
 
         run.__name__ = self.name.replace(".", "_")
         if not self.lowering.jit:
             return run
         if device_index is None:
             return jax.jit(run)
-        sharding = jax.sharding.SingleDeviceSharding(platform.jax_device(device_index))
+        sharding = placement.sharding(device_index)
         return jax.jit(run, out_shardings=sharding)
 
-    def arrays(self, args, kwargs):
+    def run(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
         lowering = self.lowering
-        if not lowering.jit and bridge.deferring:
+        if not lowering.jit and modes.deferring():
             modes.flush("data_dependent")  # the output shape depends on values: they must exist
             call = Call(self.sig, args, kwargs, concrete=True)
         else:
@@ -312,7 +401,7 @@ class Kernel:
         return index, modes.execute(self, fn, dyn, index)
 
     def __call__(self, *args, **kwargs):
-        index, out = self.arrays(args, kwargs)
+        index, out = self.run(args, kwargs)
         return wrap_outputs(out, index, self.sig)
 
 
@@ -346,7 +435,7 @@ class InplaceKernel:
         self.functional = functional
 
     def __call__(self, self_tensor, *args, **kwargs):
-        _, out = self.functional.arrays((self_tensor, *args), kwargs)
+        _, out = self.functional.run((self_tensor, *args), kwargs)
         if out.dtype != TORCH_TO_JAX[self_tensor.dtype]:
             _check_cast(out.dtype, self_tensor.dtype, self.functional.name)
         bridge.write(self_tensor, out)
@@ -365,19 +454,12 @@ class MutatingKernel:
         self.nout = len(functional.op._schema.returns)
 
     def __call__(self, *args, **kwargs):
-        index, out = self.functional.arrays(args, kwargs)
+        index, out = self.functional.run(args, kwargs)
         for (position, name), value in zip(self.targets, out[self.nout:]):
             target = args[position] if position < len(args) else kwargs.get(name)
             if target is not None:
                 bridge.write(target, value)
         return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig)
-
-
-class _ForeachLowering:
-    """What ``modes.execute`` reads of a kernel's lowering, for ``ForeachKernel``."""
-
-    jit = True
-    random = False
 
 
 class ForeachKernel:
@@ -389,27 +471,25 @@ class ForeachKernel:
     arguments are static.
     """
 
-    lowering = _ForeachLowering()
-
-    def __init__(self, op: OpOverload, each, static_scalars: bool = False):
-        self.op = op
-        self.each = each
-        self.name = str(op)
-        self.static_scalars = static_scalars
-        self._jitted: dict = {}
+    def __init__(self, lowering: Lowering):
+        self.op = lowering.op
+        self.lowering = lowering  # derived from the per-tensor op's (ops/foreach.py)
+        self.name = str(self.op)
+        self.static_scalars = lowering.static_scalars
+        self._jitted = caches.LRU("foreach_kernels", "kernel_cache_size")
 
     def _take(self, a, dyn, reader: Call):
         if isinstance(a, torch.Tensor):  # read as any op reads it (device checks, CPU scalars)
             dyn.append(reader._array(a))
             return DYN
         if isinstance(a, (list, tuple)):
-            return TensorList(self._take(x, dyn, reader) for x in a)
+            return ListKey(self._take(x, dyn, reader) for x in a)
         if isinstance(a, _PY_SCALARS) and not self.static_scalars:
             dyn.append(a)  # a Python number, weakly typed (scalar lists change every step: not cached)
             return DYN
         return _freeze(a)
 
-    def arrays(self, args, kwargs):
+    def run(self, args, kwargs):
         dyn: list = []
         reader = Call.__new__(Call)  # its argument reader only
         reader.device, reader.read = None, bridge.read
@@ -424,26 +504,17 @@ class ForeachKernel:
         return reader.device, modes.execute(self, fn, dyn, reader.device)
 
     def _build(self, key):
-        each = self.each
-
-        def rebuild(k, it):
-            if k is DYN:
-                return next(it)
-            if isinstance(k, TensorList):
-                return [rebuild(x, it) for x in k]
-            return _thaw(k)
+        lowering, plat = self.lowering, platform.platform()
 
         def run(*dyn):
-            it = iter(dyn)
-            args = [rebuild(k, it) for k in key[0]]
-            kwargs = {name: rebuild(k, it) for name, k in key[1]}
-            return list(each(*args, **kwargs))
+            args, kwargs = rebuild(key, dyn)
+            return list(lowering.call(None, args, kwargs, plat))
 
         run.__name__ = self.name.replace(".", "_")
         return jax.jit(run)
 
     def __call__(self, *args, **kwargs):
-        index, out = self.arrays(args, kwargs)
+        index, out = self.run(args, kwargs)
         return [bridge.wrap(o, index) for o in out]
 
 
@@ -454,7 +525,7 @@ class ForeachInplaceKernel:
         self.functional = functional
 
     def __call__(self, targets, *args, **kwargs):
-        _, out = self.functional.arrays((targets, *args), kwargs)
+        _, out = self.functional.run((targets, *args), kwargs)
         for t, value in zip(targets, out):
             if value.dtype != TORCH_TO_JAX[t.dtype]:
                 _check_cast(value.dtype, t.dtype, self.functional.name)
@@ -471,7 +542,7 @@ class OutKernel:
 
     def __call__(self, *args, **kwargs):
         outs = [kwargs.pop(name) for name in self.out_names]
-        _, result = self.functional.arrays(args, kwargs)
+        _, result = self.functional.run(args, kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
         for out, value in zip(outs, results):
             if out.device.type != "tpu":
@@ -490,28 +561,20 @@ def resize(t: torch.Tensor, shape) -> None:
     storage = t.untyped_storage()
     if storage.nbytes() < needed * t.element_size():
         array = getattr(storage, bridge.ATTR, None)
-        grown = bridge.new_storage(needed * t.element_size(), t.device.index or 0)
+        grown = bridge.new_storage(needed * t.element_size(), t.get_device())
         if array is not None:  # keep the old elements, as PyTorch's resize_ does
             if isinstance(array, bridge.LAZY_TYPES):
                 array = array.materialize()
             flat = array.reshape(-1)
             zeros = jax.numpy.zeros((needed * t.element_size() // flat.dtype.itemsize,), flat.dtype,
-                                    device=platform.jax_device(t.device.index or 0))
+                                    device=placement.sharding(t.get_device()))
             grown._jax = zeros.at[: flat.size].set(flat)
         storage = grown
     bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
 
 
 def _check_cast(from_dtype, to_dtype: torch.dtype, name: str) -> None:
-    from torchtpu.ops.dtypes import to_torch_dtype
-
     src = to_torch_dtype(from_dtype)
     if src != to_dtype and not torch.can_cast(src, to_dtype):
-        raise RuntimeError(f"result type {_pretty(src)} can't be cast to the desired output type {_pretty(to_dtype)}")
-
-
-@functools.cache
-def _pretty(dtype: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
-            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int16: "Short",
-            torch.int8: "Char", torch.uint8: "Byte", torch.complex64: "ComplexFloat"}.get(dtype, str(dtype))
+        raise RuntimeError(f"result type {scalar_type_name(src)} can't be cast to the desired output type "
+                           f"{scalar_type_name(to_dtype)}")

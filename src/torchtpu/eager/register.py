@@ -60,6 +60,9 @@ def kernels() -> dict[OpOverload, object]:
     for op, low in lowerings.items():
         if _composite(op):
             continue
+        if low.view:  # metadata on the base's storage; in-place view ops (t_) stay PyTorch's
+            KERNELS[op] = views.view_kernel(op)
+            continue
         kernel = dispatch.Kernel(low)
         if low.mutates:  # writes its arguments itself: no derived in-place or out= variants
             KERNELS[op] = dispatch.MutatingKernel(kernel)
@@ -96,10 +99,10 @@ def _foreach_kernels() -> dict[OpOverload, object]:
             if functional_packet is None or overload not in functional_packet.overloads() or _composite(op):
                 continue
             functional = getattr(functional_packet, overload)
-            each = foreach.foreach_fn(functional)
-            if each is None:
+            lowering = foreach.derived(functional)
+            if lowering is None:
                 continue
-            kernel = dispatch.ForeachKernel(functional, each, foreach.static_scalars(functional))
+            kernel = dispatch.ForeachKernel(lowering)
             found[op] = dispatch.ForeachInplaceKernel(kernel) if inplace else kernel
     return found
 
@@ -118,10 +121,19 @@ def install() -> None:
     if _hooked:  # a reinstall (after _uninstall): the hooks below are in place already
         return
     _hooked = True
-    modes.install_fused(fused.executor)
+    modes.install_fused(fused.FusedExecutor)
     metrics.register_source("fused_eager", fused.stats)
     streams.before_synchronize(lambda: modes.flush("synchronize"))
     state.on_fork_child(_uninstall)
+    registry.on_change(_forget_programs)
+
+
+def _forget_programs(op: OpOverload) -> None:
+    """``op``'s platform override changed: drop the programs its eager kernel built."""
+    kernel = KERNELS.get(op)
+    kernel = getattr(kernel, "functional", kernel)  # in-place, out= and mutating kernels wrap it
+    if isinstance(kernel, dispatch.Kernel):
+        kernel._jitted.clear()
 
 
 _hooked = False

@@ -1,7 +1,9 @@
 """View kernels: metadata only. A view is a new tensor sharing its base's storage with its own
 sizes, strides and offset, exactly as in PyTorch; the bridge reads and writes through that
-geometry. PyTorch's own composite view ops (transpose, permute, slice, select, expand, unsqueeze,
-squeeze, diagonal, unfold, ...) reach us as ``as_strided``, so these few kernels cover them all."""
+geometry. Every view op is declared once, in the op registry (``view=True``, ``ops/shape.py``);
+its eager kernel here takes the view's geometry from PyTorch itself, by running the op on a meta
+tensor of the base's geometry (cached), so PyTorch's own shape rules and errors apply. The other
+kernels here are the storage-level ops: ``empty`` (a lazy shell), ``set_`` and ``resize_``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ aten = torch.ops.aten
 
 def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor sharing ``base``'s storage with the given geometry (and dtype)."""
-    view = bridge._shell(dtype or base.dtype, base.device.index or 0)
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        # a view of a normal tensor is a normal tensor, also inside inference_mode (PyTorch gives
+        # it the base's version counter, which an inference tensor cannot take)
+        with torch.inference_mode(False):
+            view = bridge._shell(dtype or base.dtype, base.get_device())
+    else:
+        view = bridge._shell(dtype or base.dtype, base.get_device())
     bridge.restride(view, base.untyped_storage(), offset, size, stride)
     if base.is_conj():  # a view keeps its base's lazy conjugate/negation bits, as in PyTorch
         torch._C._set_conj(view, True)
@@ -27,53 +35,39 @@ def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype 
     return view
 
 
-def as_strided(self, size, stride, storage_offset=None):
-    offset = self.storage_offset() if storage_offset is None else storage_offset
-    return make_view(self, size, stride, offset)
-
-
 @functools.lru_cache(maxsize=16384)
-def _view_strides(shape, stride, size):
-    meta = torch.empty_strided(shape, stride, device="meta").view(size)
-    return tuple(meta.shape), tuple(meta.stride())
+def _geometry(op, shape, stride, offset, dtype, numel, bits, args, kwargs):
+    """The (size, stride, offset, dtype) of each view ``op`` makes of a base of this geometry on a
+    storage of ``numel`` elements."""
+    base = torch.empty(numel, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    if bits[0]:
+        torch._C._set_conj(base, True)
+    if bits[1]:
+        torch._C._set_neg(base, True)
+    out = op(base, *args, **dict(kwargs))
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return tuple((tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype) for o in outs), \
+        isinstance(out, (list, tuple))
 
 
-def view(self, size):
-    shape, stride = _view_strides(tuple(self.shape), tuple(self.stride()), tuple(size))
-    return make_view(self, shape, stride, self.storage_offset())
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
 
 
-def _reshape_alias(self, size, stride):
-    return make_view(self, size, stride, self.storage_offset())
+def view_kernel(op):
+    """The eager kernel of view ``op``: new tensors on the base's storage, in the op's geometry."""
 
+    def kernel(self, *args, **kwargs):
+        geometries, many = _geometry(op, tuple(self.shape), tuple(self.stride()), self.storage_offset(),
+                                     self.dtype, max(self.untyped_storage().nbytes() // self.element_size(),
+                                                     bridge._extent(self)),
+                                     (self.is_conj(), self.is_neg()), _hashable(list(args)),
+                                     tuple((k, _hashable(v)) for k, v in kwargs.items()))
+        views = [make_view(self, size, stride, offset, dtype) for size, stride, offset, dtype in geometries]
+        return views if many else views[0]
 
-def view_dtype(self, dtype):
-    if dtype == self.dtype:
-        return make_view(self, self.shape, self.stride(), self.storage_offset())
-    meta = torch.empty_strided(tuple(self.shape), tuple(self.stride()), dtype=self.dtype,
-                               device="meta").view(dtype)
-    offset = self.storage_offset() * self.element_size() // dtype.itemsize
-    return make_view(self, meta.shape, meta.stride(), offset, dtype)
-
-
-def view_as_real(self):
-    if not self.is_complex():
-        raise RuntimeError("view_as_real is only supported for complex tensors")
-    real = torch.float32 if self.dtype == torch.complex64 else torch.float64
-    return make_view(self, (*self.shape, 2), (*(2 * s for s in self.stride()), 1), 2 * self.storage_offset(), real)
-
-
-def view_as_complex(self):
-    if self.dtype not in (torch.float32, torch.float64):
-        raise RuntimeError(f"view_as_complex is only supported for float and double tensors, but got a tensor of "
-                           f"scalar type: {self.dtype}")
-    if self.dim() == 0 or self.shape[-1] != 2 or self.stride(-1) != 1:
-        raise RuntimeError("Tensor must have a last dimension of size 2 with stride 1")
-    if self.storage_offset() % 2 or any(s % 2 for s in self.stride()[:-1]):
-        raise RuntimeError("Tensor must have a stride divisible by 2 for all but last dimension")
-    complex_dtype = torch.complex64 if self.dtype == torch.float32 else torch.complex128
-    return make_view(self, self.shape[:-1], tuple(s // 2 for s in self.stride()[:-1]), self.storage_offset() // 2,
-                     complex_dtype)
+    kernel.__name__ = str(op).replace(".", "_")
+    return kernel
 
 
 def set_storage(self, source, storage_offset=0, size=(), stride=()):
@@ -115,13 +109,6 @@ def _check_size(size) -> None:
 KERNELS = {
     aten.empty.memory_format: empty,
     aten.empty_strided.default: empty_strided,
-    aten.as_strided.default: as_strided,
-    aten.view.default: view,
-    aten._unsafe_view.default: view,
-    aten._reshape_alias.default: _reshape_alias,
-    aten.view.dtype: view_dtype,
-    aten.view_as_real.default: view_as_real,
-    aten.view_as_complex.default: view_as_complex,
     aten.set_.source_Storage_storage_offset: set_storage,
     aten.set_.source_Storage: lambda self, source: set_storage(self, source, 0, (source.nbytes() // self.element_size(),)),
     aten.set_.source_Tensor: set_tensor,

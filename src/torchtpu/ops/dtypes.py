@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype, to_torch_dtype  # noqa: F401
+from torchtpu.runtime.dtypes import to_jax_dtype, to_torch_dtype  # noqa: F401  (the ops modules import them from here)
 
 
 # Python numbers (aten `Scalar` arguments, and numbers PyTorch passes in Tensor slots) travel

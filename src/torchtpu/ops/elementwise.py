@@ -11,7 +11,7 @@ from jax import lax
 
 from torchtpu.ops.dtypes import promote
 from torchtpu.ops.registry import aten, lowering
-from torchtpu.runtime.dtypes import scalar_type_name
+from torchtpu.runtime.dtypes import scalar_type_name, to_jax_dtype
 
 
 def _floating_or_complex(x, kernel: str) -> bool:
@@ -581,3 +581,20 @@ def polar(abs, angle):
     abs, angle = jnp.broadcast_arrays(abs.astype(dtype), angle.astype(dtype))
     return lax.complex(abs * jnp.cos(angle), abs * jnp.sin(angle))
 
+
+
+# Graph-only: eager resolves PyTorch's lazy conjugate and negation bits in the bridge; a graph
+# computes them. The prims are what some decompositions produce (fma exists once Inductor is
+# imported, so it is registered by name).
+lowering(aten._conj.default, graph_only=True)(jnp.conj)
+lowering(aten._neg_view.default, graph_only=True)(jnp.negative)
+
+
+@lowering("prims::fma", graph_only=True)
+def _fma(a, b, c):
+    return a * b + c
+
+
+@lowering("prims::convert_element_type", graph_only=True)
+def _convert_element_type(x, dtype):
+    return x.astype(to_jax_dtype(dtype))

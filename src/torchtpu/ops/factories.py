@@ -180,14 +180,10 @@ def empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=Non
     return empty(size, dtype=dtype)  # (empty_like's decomposition; the layout is XLA's to choose)
 
 
-# Graph-only (read through shape.VIEW_LOWERINGS). In eager, ``zeros_like(x, device="cpu")`` must
-# leave the device, which a lowering cannot, so eager keeps PyTorch's empty_like + fill_ path;
-# eager's ``empty`` is a lazy shell (eager/views.py).
-GRAPH_FACTORIES = {
-    aten.full_like.default: full_like,
-    aten.zeros_like.default: zeros_like,
-    aten.ones_like.default: ones_like,
-    aten.empty.memory_format: empty,
-    aten.empty_strided.default: empty_strided,
-    aten.empty_permuted.default: empty_permuted,
-}
+# Graph-only. In eager, ``zeros_like(x, device="cpu")`` must leave the device, which a lowering
+# cannot, so eager keeps PyTorch's empty_like + fill_ path; eager's ``empty`` is a lazy shell
+# (eager/views.py).
+for _op, _fn in {aten.full_like.default: full_like, aten.zeros_like.default: zeros_like,
+                 aten.ones_like.default: ones_like, aten.empty.memory_format: empty,
+                 aten.empty_strided.default: empty_strided, aten.empty_permuted.default: empty_permuted}.items():
+    lowering(_op, graph_only=True)(_fn)

@@ -16,7 +16,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu.ops import registry
-from torchtpu.ops.dtypes import to_jax_dtype
+from torchtpu.runtime.dtypes import to_jax_dtype
 
 aten = torch.ops.aten
 
@@ -37,18 +37,16 @@ def base_op(op: OpOverload) -> OpOverload | None:
 
 
 @functools.cache
-def foreach_fn(op: OpOverload, extra: tuple = ()) -> Callable | None:
+def foreach_fn(op: OpOverload) -> Callable | None:
     """A function of JAX values computing functional ``_foreach_*`` overload ``op`` element by
-    element with its base op's lowering (or, for ``extra`` lowerings such as compiled graphs'
-    views, a function from that table), or None if the base op has none."""
+    element with its base op's lowering, or None if the base op has none."""
     base = base_op(op)
     if base is None:
         return None
     low = registry.LOWERINGS.get(base)
-    fn = dict(extra).get(base) or (low.fn if low is not None and low.jit and not low.random and not low.mutates
-                                   else None)
-    if fn is None:
+    if low is None or not low.jit or low.random or low.mutates:
         return None
+    fn = low.fn
     # foreach ops take positionally what their base op may take by keyword (addcmul's value);
     # they must line up by name, or the op is left to PyTorch's per-tensor loop
     npos = sum(not a.kwarg_only for a in base._schema.arguments)
@@ -81,6 +79,13 @@ def foreach_fn(op: OpOverload, extra: tuple = ()) -> Callable | None:
 def _inexact(v) -> bool:
     # integer inputs stay as they are, so the base op raises PyTorch's error for them
     return hasattr(v, "dtype") and (jnp.issubdtype(v.dtype, jnp.floating) or jnp.issubdtype(v.dtype, jnp.complexfloating))
+
+
+@functools.cache
+def derived(op: OpOverload) -> registry.Lowering | None:
+    """``op``'s lowering, derived from its per-tensor op (what compiled graphs inline)."""
+    fn = foreach_fn(op)
+    return None if fn is None else registry.Lowering(op, fn, static_scalars=static_scalars(op))
 
 
 def static_scalars(op: OpOverload) -> bool:

@@ -114,6 +114,7 @@ def _split(indices):
     return tuple(True if i is not None else None for i in indices), [i for i in indices if i is not None]
 
 
+@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, graph_only=True)  # a graph's indices are integers: they trace
 @lowering(aten.index.Tensor, aten._unsafe_index.Tensor, jit=False)
 def index(x, indices):
     if len(indices) > max(x.ndim, 1):
@@ -130,6 +131,7 @@ def _single_mask(indices):
     return None
 
 
+@lowering(aten.index_put.default, aten._unsafe_index_put.default, graph_only=True)
 @lowering(aten.index_put.default, aten._unsafe_index_put.default, jit=False)
 def index_put(x, indices, values, accumulate=False):
     lead = _single_mask(indices)

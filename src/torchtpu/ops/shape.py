@@ -1,17 +1,16 @@
 """Shape ops: copies, concatenation, flips, padding, triangles and the ``*_scatter`` family.
 
-View ops are not registered here with ``@lowering``: eager runs them as metadata
-(``eager/views.py``) so a view shares its base's storage. Their JAX lowerings live in
-``VIEW_LOWERINGS`` (aten overload → function, same calling convention as a lowering), which the
-``torch.compile`` backend reads for the view ops of core-aten graphs (``view``, ``permute``,
-``expand``, ``slice.Tensor``, ``select.int``, ``split_with_sizes``, ``unbind``, ...). In a
-compiled graph a view's input is a value, so ``as_strided`` reads its input as a contiguous
-storage. ``_to_copy`` is in that table too: eager's ``.to()`` also moves data between devices,
-which a lowering cannot, so eager keeps its own kernel for it. Advanced indexing
-(``index.Tensor``, ``index_put``) is there too: its eager lowering is ``jit=False`` for boolean
-masks, but a graph only ever holds integer indices, which trace. So are ``empty``,
-``full_like``, ``zeros_like`` and ``ones_like`` (``factories.GRAPH_FACTORIES``): eager runs its
-own lazy ``empty``, and its ``*_like`` may change device.
+View ops are declared here once, in ``_VIEWS``, and registered with ``view=True``: eager runs
+each as metadata (``eager/views.py`` takes the view's geometry from the op itself, evaluated on
+a meta tensor) so a view shares its base's storage, and compiled graphs compute the value with
+the function given here. In a compiled graph a view's input is a value, so ``as_strided`` reads
+its input as a contiguous storage. ``alias``, ``detach`` and ``lift_fresh`` are graph-only
+(FakeTensor needs PyTorch's own kernels for them in eager), and so are: ``_to_copy`` (eager's
+``.to()`` also moves data between devices, which a lowering cannot); ``copy``/``copy_`` (graph
+mutation epilogues); advanced indexing (``index.Tensor``, ``index_put``: its eager lowering is
+``jit=False`` for boolean masks, but a graph only ever holds integer indices, which trace); and
+``empty``, ``full_like``, ``zeros_like``, ``ones_like`` (``factories.py``: eager runs its own lazy
+``empty``, and its ``*_like`` may change device).
 
 ``clone`` returns a contiguous tensor whatever the input's strides (PyTorch's default
 ``preserve_format`` would keep a dense input's strides), so ``as_strided_scatter`` reads its
@@ -174,32 +173,29 @@ _VIEWS: dict[OpOverload, Callable] = {
     aten.squeeze.dim: lambda x, dim: _squeeze_dims(x, [dim]),
     aten.squeeze.dims: _squeeze_dims,
     aten.as_strided.default: _as_strided,
-    aten.alias.default: _identity,
-    aten.detach.default: _identity,
-    aten.lift_fresh.default: _identity,
     aten.diagonal.default: _diagonal,
     aten.unfold.default: _unfold,
     aten.split_with_sizes.default: _split_with_sizes,
     aten.split.Tensor: _split,
     aten.unbind.int: _unbind,
     aten.narrow.default: lambda x, dim, start, length: _slice(x, dim, start, start + length),
+    aten.view_as_real.default: lambda x: jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1),
+    aten.view_as_complex.default: lambda x: lax.complex(x[..., 0], x[..., 1]),
 }
+for _op, _fn in _VIEWS.items():
+    lowering(_op, view=True)(_fn)
+_IDENTITIES = (aten.alias.default, aten.detach.default, aten.lift_fresh.default)
+lowering(*_IDENTITIES, graph_only=True)(_identity)
+lowering(aten._to_copy.default, graph_only=True)(_to_copy)
 
 
-def _graph_only_lowerings() -> dict[OpOverload, Callable]:
-    """Advanced indexing (eager's is ``jit=False`` only for boolean masks, which dynamo never puts
-    in a graph) and the factories eager runs its own way (``empty``, ``*_like``)."""
-    from torchtpu.ops import factories, indexing
-
-    return {**factories.GRAPH_FACTORIES, aten.index.Tensor: indexing.index, aten._unsafe_index.Tensor: indexing.index,
-            aten.index_put.default: indexing.index_put, aten._unsafe_index_put.default: indexing.index_put}
-
-
-VIEW_LOWERINGS: dict[OpOverload, Callable] = {**_VIEWS, aten._to_copy.default: _to_copy, **_graph_only_lowerings()}
+@lowering(aten.copy.default, aten.copy_.default, graph_only=True)
+def _copy(dst, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
 
 
 def _register_copies() -> None:
-    for op, fn in _VIEWS.items():
+    for op, fn in [*_VIEWS.items(), *((op, _identity) for op in _IDENTITIES)]:
         if op is aten.as_strided.default:
             continue  # as_strided_copy reads the input's storage, not its values: PyTorch decomposes it
         name = op._schema.name.split("::")[1]
