@@ -29,7 +29,7 @@ from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import transfer
 from torchtpu.runtime.dtypes import to_jax_dtype
-from torchtpu.runtime import platform, rng, state
+from torchtpu.runtime import placement, rng, state
 
 _names = itertools.count()
 # References an array held only by its storage has when counted in ``_read``: the storage's
@@ -80,7 +80,7 @@ class _Executable:
         run.__name__ = graph.name
         donate_argnums = tuple(nkey + i for i in donate)
         start = time.perf_counter()
-        with jax.default_device(platform.jax_device(index)):
+        with placement.default(index):
             lowered = jax.jit(run, donate_argnums=donate_argnums).lower(*key_args, *arrays)
         cache.count("trace_seconds", time.perf_counter() - start)
         _dump(lowered, graph.name)
@@ -153,10 +153,10 @@ class CompiledGraph:
                 if device >= 0:
                     array = getattr(a.untyped_storage(), bridge.ATTR, None)
                     # the common case first: a tensor that owns its whole, already computed array
-                    whole = array.__class__ is ArrayImpl and bridge.reads_whole(a, array) \
+                    whole = array.__class__ is ArrayImpl and bridge.holds_whole_storage(a, array) \
                         and not (a.is_conj() or a.is_neg())  # (ArrayImpl: computed, not a Deferred)
                     if not whole:
-                        array = bridge.concrete(a)  # a view, or pending DEFER_AND_FUSE work: run it
+                        array = bridge.read_computed(a)  # a view, or pending DEFER_AND_FUSE work: run it
                     sole = sys.getrefcount(array) <= _SOLE_OWNER_REFS
                     owned = whole and sole and i in mutated and id(array) not in seen
                     seen.add(id(array))
@@ -203,5 +203,5 @@ def _concrete(value):
 def _device_index(args: list) -> int:
     for a in args:
         if isinstance(a, torch.Tensor) and a.device.type == "tpu":
-            return a.device.index or 0
+            return a.get_device()
     return state.current_device()

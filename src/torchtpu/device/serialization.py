@@ -30,15 +30,13 @@ def _deserialize(storage, location: str):
     if storage.device.type == "tpu":
         return storage if storage.device.index == index else None
     # registered at import, which must not import JAX (runtime/state.py): the bridge is imported here
-    import jax
-
     from torchtpu.device import bridge
-    from torchtpu.runtime import platform
+    from torchtpu.runtime import placement
 
     nbytes = storage.nbytes()
     data = np.frombuffer(bytes(storage), dtype=np.uint8) if nbytes else np.zeros((0,), np.uint8)
     result = bridge.new_storage(nbytes, index)
-    result._jax = jax.device_put(data, platform.jax_device(index))
+    result._jax = placement.put(data, index)
     return result
 
 
