@@ -113,3 +113,17 @@ def test_fork_before_start_child_can_use_tpu():
     """)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "6.0 False"
+
+
+def test_eager_mode_set_before_first_use():
+    out = _run("""
+        import torch
+        torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE   # before the runtime starts
+        with torch.tpu.set_eager_mode("defer_never_and_launch_blocking"):
+            pass
+        x = torch.ones(4, device="tpu") * 3
+        print(torch.tpu.eager_mode.name, x.sum().item(), len(torch.tpu.debug.pending_graph()))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "DEFER_AND_FUSE 12.0 0"
+
