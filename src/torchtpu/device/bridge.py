@@ -23,7 +23,7 @@ from jax import lax
 import numpy as np
 import torch
 
-from torchtpu.runtime import placement
+from torchtpu.runtime import errors, placement
 from torchtpu.runtime.execution import current
 from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype
 
@@ -257,11 +257,7 @@ def _allocate(t: torch.Tensor, storage) -> jax.Array:
     try:
         array = apply(_zeros(numel, to_jax_dtype(t.dtype), index))
     except jax.errors.JaxRuntimeError as exc:
-        from torchtpu.runtime import errors
-
-        if errors.is_out_of_memory(exc):
-            raise errors.out_of_memory(exc, index, "allocating a tensor") from None
-        raise
+        raise errors.device_error(exc, index, "allocating a tensor") from exc
     storage._jax = array
     return array
 
@@ -282,17 +278,13 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     """Store ``value`` (``t``'s shape; cast to ``t``'s dtype) into ``t``'s elements, in place."""
     dtype = to_jax_dtype(t.dtype)
     if value.dtype != dtype:
-        value = apply(_cast(dtype), value)
+        value = apply(cast(dtype), value)
     if t.is_conj() or t.is_neg():
         value = apply(_resolve_bits(t.is_conj(), t.is_neg()), value)
     if tuple(value.shape) != tuple(t.shape):
         value = apply(_broadcast(tuple(t.shape)), value)
     storage = t.untyped_storage()
     array = getattr(storage, ATTR, None)
-    if isinstance(array, Lazy):  # as in ``read``
-        executor = current().executor
-        if executor is None or (array.value is None and array.executor is not executor):
-            array = array.materialize()
     if array is None:
         if t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() >= storage.nbytes():
             storage._jax = value  # t covers its whole (empty) storage
@@ -302,14 +294,18 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
             (t.storage_offset() == 0 and t.is_contiguous() and array.size == t.numel() and array.dtype == dtype):
         if array.shape != value.shape:
             value = apply(_reshape(tuple(array.shape)), value)
-        storage._jax = value
+        storage._jax = value  # (a lazy old value is not needed: shape and dtype are enough)
         return
+    if isinstance(array, Lazy):  # the old value is the scatter's input: as in ``read``
+        executor = current().executor
+        if executor is None or (array.value is None and array.executor is not executor):
+            array = array.materialize()
     storage._jax = apply(_scatter(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), dtype),
                          array, value, t.storage_offset())
 
 
 @functools.cache
-def _cast(dtype):
+def cast(dtype):
     return jax.jit(lambda x: x.astype(dtype))
 
 

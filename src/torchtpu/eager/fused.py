@@ -248,9 +248,7 @@ class FusedExecutor:
             names = ", ".join(sorted({getattr(graph.nodes[n][0], "__name__", "?") for n in nodes})[:8])
             what = f"a fused program of {len(nodes)} ops ({names}) run for {reason}"
             graph.error = what
-            if errors.is_out_of_memory(exc):
-                raise errors.out_of_memory(exc, None, what) from None
-            raise RuntimeError(f"tpu: {what} failed: {exc}") from exc
+            raise errors.device_error(exc, None, what) from exc
         with _stats_lock:
             _stats["run_seconds"] += time.perf_counter() - start
         for (_, _, deferred), value in zip(live, results):

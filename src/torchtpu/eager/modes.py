@@ -208,7 +208,5 @@ def _at_once(kernel, fn, dyn, device_index):
 
 
 def _op_failed(exc, kernel, device_index):
-    if errors.is_out_of_memory(exc):
-        raise errors.out_of_memory(exc, device_index, kernel.name) from None
     # name the op that failed, as CUDA_LAUNCH_BLOCKING users expect
-    raise RuntimeError(f"tpu: {kernel.name} failed: {exc}") from exc
+    raise errors.device_error(exc, device_index, kernel.name) from exc

@@ -101,11 +101,6 @@ def _copy_from_and_resize(self, dst):
     return copy_(dst, self)
 
 
-@functools.cache
-def _cast(dtype):
-    return jax.jit(lambda x: x.astype(dtype))
-
-
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
     """``.to(device, dtype)`` to or from a tpu tensor: a cast on the device, a move, or a copy."""
@@ -125,7 +120,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     target = TORCH_TO_JAX[dtype]
     stored = getattr(self.untyped_storage(), bridge.ATTR, None)
     if value.dtype != target or value is stored or (isinstance(stored, bridge.Lazy) and value is stored.value):
-        value = bridge.apply(_cast(target), value)  # (a copy must not share the source's buffer)
+        value = bridge.apply(bridge.cast(target), value)  # (a copy must not share the source's buffer)
     if index != self.get_device():
         value = placement.put(value.materialize() if isinstance(value, bridge.Lazy) else value, index)
     return bridge.wrap(value, index)

@@ -35,5 +35,13 @@ def out_of_memory(exc: BaseException, device_index: int | None, what: str) -> to
         f"XLA said: {str(exc).splitlines()[0]}")
 
 
+def device_error(exc: BaseException, device_index: int | None, what: str) -> Exception:
+    """The exception to raise for an XLA runtime error in ``what``: ``torch.OutOfMemoryError``
+    for an exhausted device, else a RuntimeError that names ``what`` (the op or program)."""
+    if is_out_of_memory(exc):
+        return out_of_memory(exc, device_index, what)
+    return RuntimeError(f"tpu: {what} failed: {exc}")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(exc)
