@@ -23,7 +23,7 @@ from collections import Counter
 
 import jax
 
-from torchtpu import caches
+from torchtpu import caches, metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes
 from torchtpu.runtime import errors
@@ -211,7 +211,7 @@ class FusedExecutor:
             with _stats_lock:
                 _materializations[reason] += 1
                 _stats["ops_recorded"] += len(graph.nodes)
-            _count_materialization(reason)
+            metrics.count_materialization(reason)
             first = {d.ref[1] for d in wanted if d.__class__ is Deferred and d.value is None and d.graph is graph} \
                 if SPLIT_AT_READ else set()
             needed = _needed_nodes(graph, {n for n, _, _ in live} | first)
@@ -297,14 +297,6 @@ def _build(graph: _Graph, needed: list[int], outputs: list[tuple[int, int]], ext
         return [env[ref] for ref in outputs]
 
     return jax.jit(program)
-
-
-def _count_materialization(reason: str) -> None:
-    from torchtpu import metrics
-
-    counter = getattr(metrics, "count_materialization", None)
-    if counter is not None:
-        counter(reason)
 
 
 def current_executor() -> FusedExecutor | None:
