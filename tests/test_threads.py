@@ -247,3 +247,26 @@ def test_backward_runs_in_its_callers_mode(mode):
             assert grad.executor is fused.current_executor()
     assert seen == [(False, mode)]  # (if autograd ever runs it on the caller's thread, drop the first check)
     torch.testing.assert_close(x.grad.cpu(), 2 * (2 * a).cos())
+
+
+def test_a_context_following_the_fused_default_follows_its_changes():
+    """A context that follows a DEFER_AND_FUSE default keeps its executor in a copy of the default
+    (one ContextVar read per op); a change of the default reaches it at once, and a return to
+    DEFER_AND_FUSE records into the same executor again."""
+    import jax
+
+    torch.tpu.eager_mode = FUSE
+    try:
+        x = torch.ones(3, device="tpu") * 2
+        first = fused.current_executor()
+        assert first is not None and isinstance(x.untyped_storage()._jax, fused.Deferred)
+        torch.tpu.eager_mode = NEVER
+        assert torch.tpu.eager_mode is NEVER and fused.current_executor() is None
+        y = x + 1
+        assert isinstance(y.untyped_storage()._jax, jax.Array)  # ran at once
+        torch.tpu.eager_mode = FUSE
+        z = y * 2
+        assert fused.current_executor() is first and isinstance(z.untyped_storage()._jax, fused.Deferred)
+    finally:
+        torch.tpu.eager_mode = NEVER
+    assert z.cpu().tolist() == [6.0, 6.0, 6.0]

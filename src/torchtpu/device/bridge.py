@@ -221,7 +221,8 @@ def read(t: torch.Tensor) -> jax.Array:
         executor = current().executor
         if executor is None or (array.value is None and array.executor is not executor):
             array = array.materialize()
-    if holds_whole_storage(t, array):
+    if array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous() \
+            and array.dtype == TORCH_TO_JAX.get(t.dtype):  # holds_whole_storage, inline: the hot path
         value = array
     else:
         value = apply(_gather(array.shape, array.dtype, tuple(t.shape), tuple(t.stride()), to_jax_dtype(t.dtype)),

@@ -46,30 +46,42 @@ _new_executor = None
 # The executor of a context that follows a DEFER_AND_FUSE process default, made on its first use.
 _context_executor: contextvars.ContextVar = contextvars.ContextVar("torchtpu_default_executor")
 _default_executors: "weakref.WeakSet" = weakref.WeakSet()  # all of those, flushed when the default changes
+_followers: "weakref.WeakSet" = weakref.WeakSet()  # contexts' copies of the fused default, made stale by a change
 _default_lock = threading.Lock()
 
 
 class _FusedDefault(Execution):
     """The process default when it is DEFER_AND_FUSE: each context that follows it records into an
-    executor of its own (``executor`` is the context's)."""
+    executor of its own. The first use in a context makes that executor and gives the context a
+    copy of this default holding it (``execution.follow``), so later reads take one ContextVar read;
+    changing the default marks the copies stale."""
 
     __slots__ = ()
 
     def __init__(self):
         self.mode = _FUSE
+        self.stale = False
 
     @property
     def executor(self):
-        caller = execution.caller_context()  # in an autograd thread: record into the caller's executor
-        executor = caller.get(_context_executor) if caller is not None else None
-        if executor is None:
-            executor = _context_executor.get(None)
+        caller = execution.caller_context()
+        if caller is not None:  # an autograd thread, for a caller without its copy: the caller's executor
+            executor = caller.get(_context_executor)
+            if executor is not None:
+                return executor
+        executor = _context_executor.get(None)
         if executor is None:
             _require_fused()
             executor = _new_executor()
             _context_executor.set(executor)
             with _default_lock:
                 _default_executors.add(executor)
+        if caller is None:  # (an autograd thread keeps no copy: its current() must reach its callers')
+            copy = Execution(_FUSE, executor)
+            with _default_lock:
+                if execution.default() is self:  # not changed meanwhile
+                    _followers.add(copy)
+                    execution.follow(copy)
         return executor
 
 
@@ -104,8 +116,13 @@ def set_mode(mode: EagerMode | str) -> None:
         if previous is mode:
             return
         execution.set_default(_default_for(mode))
-        followers = list(_default_executors) if previous is _FUSE else []
-    for executor in followers:
+        pending = []
+        if previous is _FUSE:
+            for copy in _followers:
+                copy.stale = True
+            _followers.clear()
+            pending = list(_default_executors)
+    for executor in pending:
         executor.flush("mode_change")
 
 

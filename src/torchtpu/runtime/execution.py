@@ -22,13 +22,15 @@ from torch._C import _get_obj_in_tls, _is_key_in_tls
 
 
 class Execution:
-    """How a context runs jitted calls: ``mode`` and ``executor`` (None: at once)."""
+    """How a context runs jitted calls: ``mode`` and ``executor`` (None: at once). ``stale``: set
+    on a context's copy of a process default that has changed since (``follow``)."""
 
-    __slots__ = ("mode", "executor")
+    __slots__ = ("mode", "executor", "stale", "__weakref__")
 
     def __init__(self, mode, executor=None):
         self.mode = mode
         self.executor = executor
+        self.stale = False
 
     def __repr__(self) -> str:
         return f"Execution({getattr(self.mode, 'name', self.mode)}, executor={self.executor!r})"
@@ -44,12 +46,12 @@ def current() -> Execution:
     backward pass) its caller's, else the process default. The hot path: one ContextVar read, and
     one thread-local key check in a context without its own."""
     execution = _override.get(None)
-    if execution is not None:
+    if execution is not None and not execution.stale:
         return execution
     if _is_key_in_tls(_CALLER):
         caller = _get_obj_in_tls(_CALLER)
         execution = caller.get(_override) if caller is not None else None
-        if execution is not None:
+        if execution is not None and not execution.stale:
             return execution
     return _default
 
@@ -70,9 +72,11 @@ def set_default(execution: Execution) -> None:
     _default = execution
 
 
-def own() -> Execution | None:
-    """The current context's own ``Execution``, None if it follows the process default."""
-    return _override.get(None)
+def follow(execution: Execution) -> None:
+    """Let the current context keep ``execution``, its own copy of the process default (with its
+    own executor), so ``current()`` finds it in one read; whoever changes the default marks it
+    ``stale`` and the context falls back to the default again."""
+    _override.set(execution)
 
 
 def enter(execution: Execution) -> contextvars.Token:
