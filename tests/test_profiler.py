@@ -2,7 +2,9 @@
 ``record_function`` spans next to XLA's own."""
 
 import os
-import random
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -117,15 +119,27 @@ def test_trace_events_without_trace(tmp_path):
 
 
 def test_compile_work_inside_dispatch_span(tmp_path):
-    # a shape no other test, and no earlier run, uses (programs persist on disk): the call compiles
-    x = torch.randn(3, 7, random.randrange(1000, 100000)).to("tpu")
-    with profiler.trace(tmp_path):
-        out = x.cosh()
-    assert_close(out.cpu(), x.cpu().cosh())
-    events = profiler.trace_events(tmp_path)
-    span, = _spans(events, "dispatch aten.cosh.default")
-    compiles = _spans(events, "backend_compile_and_load")
-    assert compiles and all(_inside(c, span) for c in compiles)
+    # In a fresh process: after some other tests in this one (tests/test_foreach.py) the first
+    # call of a new shape shows no compile event in the trace; not yet understood, so the
+    # property is checked where the first call surely compiles.
+    code = textwrap.dedent(f"""
+        import random, torch
+        from torch.testing import assert_close
+        from torchtpu import profiler
+        x = torch.randn(3, 7, random.randrange(1000, 100000)).to("tpu")  # a shape no run compiled
+        with profiler.trace({str(tmp_path)!r}):
+            out = x.cosh()
+        assert_close(out.cpu(), x.cpu().cosh())
+        events = profiler.trace_events({str(tmp_path)!r})
+        span, = [e for e in events if e["name"] == "dispatch aten.cosh.default"]
+        compiles = [e for e in events if e["name"] == "backend_compile_and_load"]
+        inside = lambda a, b: a["tid"] == b["tid"] and b["ts"] <= a["ts"] and a["ts"] + a["dur"] <= b["ts"] + b["dur"] + 1e-3
+        assert compiles and all(inside(c, span) for c in compiles), compiles
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
 
 
 @pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
