@@ -91,6 +91,18 @@ def test_memory_stats_track_live_buffers():
     assert torch.tpu.memory_allocated() < during
 
 
+def test_mem_get_info_and_reserved():
+    x = torch.ones(1024, device="tpu")
+    free, total = torch.tpu.mem_get_info()
+    assert (free, total) == torch.tpu.mem_get_info(0) == torch.tpu.mem_get_info("tpu:0")
+    assert 0 < free <= total and total - free >= x.nbytes
+    stats = torch.tpu.memory_stats()
+    assert torch.tpu.memory_reserved() == stats["reserved_bytes.all.current"] >= stats["allocated_bytes.all.current"]
+    assert stats["reserved_bytes.all.peak"] >= stats["reserved_bytes.all.current"]
+    with pytest.raises(RuntimeError, match="Invalid device ordinal"):
+        torch.tpu.mem_get_info(torch.tpu.device_count())
+
+
 # ---------------------------------------------------------------- random numbers
 
 def test_same_seed_same_numbers():

@@ -160,6 +160,17 @@ def memory_reserved(device: Any = None) -> int:
     return memory.memory_reserved(state.device_index(device))
 
 
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of the device, as ``torch.cuda.mem_get_info``. Where PJRT reports a
+    limit (GPU, TPU): the memory XLA may use and what of it is not in use. On XLA:CPU the device's
+    memory is the host's: total is the host memory this process may use (physical memory, or its
+    cgroup's limit if lower), free is that less the bytes of live tpu tensors (not the host's free
+    memory)."""
+    from torchtpu.runtime import memory
+
+    return memory.mem_get_info(state.check_index(state.device_index(device)))
+
+
 def empty_cache() -> None:
     """Free device buffers that no tensor uses (XLA frees buffers as tensors die)."""
     from torchtpu.runtime import memory
@@ -204,7 +215,8 @@ _PUBLIC = [
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "get_device_name", "get_device_capability",
     "get_device_properties", "memory_stats", "memory_allocated", "max_memory_allocated",
-    "reset_peak_memory_stats", "memory_reserved", "empty_cache", "get_amp_supported_dtype", "_is_in_bad_fork",
+    "reset_peak_memory_stats", "memory_reserved", "mem_get_info", "empty_cache", "get_amp_supported_dtype",
+    "_is_in_bad_fork",
 ]
 
 

@@ -7,12 +7,14 @@ torchtpu's own accounting of live device buffers (``source`` in ``memory_stats``
 from __future__ import annotations
 
 import gc
+import os
 
 import jax
 
 from torchtpu.runtime import platform
 
 _peak: dict[int, int] = {}
+_reserved_peak: dict[int, int] = {}
 
 
 def pjrt_stats(index: int) -> dict | None:
@@ -43,32 +45,66 @@ def record_peak() -> None:
 
 
 def memory_stats(index: int) -> dict[str, int]:
-    """Allocator statistics of ``tpu:index``."""
+    """Allocator statistics of ``tpu:index``, under PyTorch's names (``allocated_bytes.all.current``,
+    ...): torch.tpu.memory_stats returns them, and torch.accelerator's memory functions read them
+    through the device allocator of the C++ hooks."""
     stats = pjrt_stats(index)
     if stats:
         current = int(stats.get("bytes_in_use", 0))
         peak = int(stats.get("peak_bytes_in_use", current))
-        _peak[index] = max(_peak.get(index, 0), peak)
-        out = {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": _peak[index],
-               "num_alloc_retries": 0, "source": "pjrt"}
-        for k, v in stats.items():
-            out[f"pjrt.{k}"] = v
-        return out
-    current, count = _live_bytes(index)
-    _peak[index] = max(_peak.get(index, 0), current)
+        reserved = int(stats.get("bytes_reserved", current))
+        reserved_peak = int(stats.get("peak_bytes_reserved", reserved))
+        extra = {"source": "pjrt", **{f"pjrt.{k}": v for k, v in stats.items()}}
+    else:  # XLA:CPU: no allocator figures, and no cache: reserved is what is allocated
+        current, count = _live_bytes(index)
+        peak = reserved = reserved_peak = current
+        extra = {"active.all.current": count, "source": "live_buffers"}
+    _peak[index] = max(_peak.get(index, 0), peak)
+    _reserved_peak[index] = max(_reserved_peak.get(index, 0), reserved_peak, reserved)
     return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": _peak[index],
-            "active.all.current": count, "num_alloc_retries": 0, "source": "live_buffers"}
+            "active_bytes.all.current": current, "active_bytes.all.peak": _peak[index],
+            "reserved_bytes.all.current": reserved, "reserved_bytes.all.peak": _reserved_peak[index],
+            "num_alloc_retries": 0, **extra}
 
 
 def reset_peak(index: int) -> None:
     _peak.pop(index, None)
+    _reserved_peak.pop(index, None)
 
 
 def memory_reserved(index: int) -> int:
+    return memory_stats(index)["reserved_bytes.all.current"]
+
+
+def mem_get_info(index: int) -> tuple[int, int]:
+    """(free, total) bytes of ``tpu:index``, as torch.cuda.mem_get_info.
+
+    Where PJRT reports a limit (GPU, TPU), total is the memory XLA may use on the device
+    (``bytes_limit``) and free is that less the bytes in use. On XLA:CPU the device's memory is
+    the host's: total is the host memory this process may use (physical memory, or its cgroup's
+    limit if lower) and free is total less the bytes of live tpu buffers, not the host's free
+    memory (other programs and this process's CPU tensors are not counted).
+    """
     stats = pjrt_stats(index)
-    if stats:
-        return int(stats.get("bytes_reserved", stats.get("bytes_in_use", 0)))
-    return memory_stats(index)["allocated_bytes.all.current"]
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return max(total - int(stats.get("bytes_in_use", 0)), 0), total
+    total = _host_memory()
+    return max(total - _live_bytes(index)[0], 0), total
+
+
+def _host_memory() -> int:
+    """Bytes of memory this process may use: physical memory, or the cgroup's limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
 def empty_cache() -> None:
