@@ -1,10 +1,13 @@
-"""The C++ PrivateUse1 hooks (``runtime/native.py``, ``csrc/hooks.cpp``): pinned memory.
+"""The C++ PrivateUse1 hooks (``runtime/native.py``, ``csrc/hooks.cpp``): pinned memory,
+storage resizing, the device allocator behind torch.accelerator's memory functions (generators:
+``test_ops_random.py``).
 
-PyTorch takes PrivateUse1 hooks once per process, and importing torchtpu registers them, so each
-case runs in a fresh child with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` that imports ``native``
-alone (through stub parent packages, which also checks that it needs nothing else of torchtpu)
-and registers the device itself. Children run in their own process group, killed as a whole
-when they end or time out, so no DataLoader worker outlives a test.
+PyTorch takes PrivateUse1 hooks once per process, and importing torchtpu registers them, so the
+build and pinned-memory cases run in a fresh child with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` that
+imports ``native`` alone (through stub parent packages, which also checks that it needs nothing
+else of torchtpu) and registers the device itself. Children run in their own process group,
+killed as a whole when they end or time out, so no DataLoader worker outlives a test. The cases
+that need the runtime run in this process, where importing torchtpu registered the hooks.
 """
 
 import os
@@ -18,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchtpu
+from torchtpu.runtime import native
 
 SRC = os.path.dirname(os.path.abspath(torchtpu.__file__))
 
@@ -48,8 +52,12 @@ class _Guard(torch._C._acc.DeviceGuard):
 
 torch.utils.rename_privateuse1_backend("tpu")
 torch.utils.generate_methods_for_privateuse1_backend()
+class _Callbacks:  # what the hooks ask of Python (torchtpu.device.hooks): the ones these tests reach
+    is_available = staticmethod(lambda: True)
+    has_primary_context = staticmethod(lambda index: True)
+
 torch._register_device_module("tpu", _Module)
-assert native.register_hooks(lambda: True, lambda i: True), native.unavailable_reason()
+assert native.register_hooks(_Callbacks), native.unavailable_reason()
 torch._C._acc.register_python_privateuseone_device_guard(_Guard())
 """
 
@@ -123,7 +131,7 @@ def test_pin_memory_and_is_pinned(built):
         # The hooks cannot be registered twice by someone else; ours can be (callables swapped).
         assert torch._C._acc.register_python_privateuseone_hook(
             torch.utils.backend_registration._DummyPrivateUse1Hook()) is False
-        assert native.register_hooks(lambda: True, lambda i: True)
+        assert native.register_hooks(_Callbacks)
         assert torch.randn(2).pin_memory().is_pinned()
     """)
 
@@ -164,7 +172,7 @@ def test_build_failure_is_one_line_and_remembered(tmp_path):
         assert native.load() is None
         reason = native.unavailable_reason()
         assert reason and "\\n" not in reason, reason
-        assert native.register_hooks(lambda: True, lambda i: True) is False
+        assert native.register_hooks(object()) is False
         assert native.pinned_bytes() == 0
         print("REASON:", reason)
         print(f"SECONDS {{time.perf_counter() - t0:.2f}}")
@@ -213,3 +221,136 @@ def test_pinned_host_to_tpu_in_process():
         seen.append((xt.cpu(), yt.cpu()))
     torch.testing.assert_close(torch.cat([x for x, _ in seen]), data)
     torch.testing.assert_close(torch.cat([y for _, y in seen]), labels)
+
+
+needs_hooks = pytest.mark.skipif(not native.registered(),
+                                 reason=f"torchtpu's C++ hooks are not built here: {native.unavailable_reason()}")
+
+
+def _storage_tensor(storage, dtype=torch.float32):
+    """A tensor over all of ``storage``."""
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
+
+
+@needs_hooks
+@pytest.mark.usefixtures("each_eager_mode")
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_storage_resize_as_fsdp2(device):
+    """FSDP2 frees an unsharded parameter with storage.resize_(0) and re-allocates it with
+    resize_(n) before copying all-gathered data in; views see the new data, as on the CPU."""
+    t = torch.randn(1000, device=device)
+    view = t[10:20]
+    storage = t.untyped_storage()
+    torch.accelerator.synchronize()  # the fused mode's pending work runs: t's array exists
+    before = torch.accelerator.memory_allocated() if device == "tpu" else 0
+    storage.resize_(0)
+    assert storage.nbytes() == 0 and t.untyped_storage().nbytes() == 0
+    if device == "tpu":  # its array is gone, and its bytes with it
+        assert torch.accelerator.memory_allocated() <= before - 4000
+    storage.resize_(4000)
+    assert storage.nbytes() == 4000 and t.untyped_storage() is storage
+    src = torch.randn(1000)
+    t.copy_(src.to(device))
+    assert torch.equal(t.cpu(), src) and torch.equal(view.cpu(), src[10:20])
+    view.mul_(2)  # still one storage
+    assert torch.equal(t[10:20].cpu(), src[10:20] * 2)
+
+
+@needs_hooks
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_storage_resize_keeps_the_prefix(device):
+    t = torch.arange(10.0, device=device)
+    storage = t.untyped_storage()
+    address = storage.data_ptr()
+    storage.resize_(80)  # grows: the first 40 bytes kept (the rest uninitialised: zeros on tpu)
+    assert storage.nbytes() == 80 and storage.data_ptr() != address
+    assert torch.equal(_storage_tensor(storage)[:10].cpu(), torch.arange(10.0))
+    storage.resize_(16)  # shrinks: truncated
+    assert torch.equal(_storage_tensor(storage).cpu(), torch.arange(4.0))
+    storage.resize_(6)  # not a whole number of float32s: the bytes are kept
+    assert torch.equal(_storage_tensor(storage, torch.uint8).cpu(), torch.arange(4.0).view(torch.uint8)[:6])
+    empty = torch.empty(0, device=device).untyped_storage()  # a storage that never had an array
+    empty.resize_(8)
+    assert _storage_tensor(empty).shape == (2,)
+
+
+@needs_hooks
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_tensor_resize_grows_its_storage_in_place(device):
+    t = torch.arange(4.0, device=device)
+    storage, view = t.untyped_storage(), t[:2]
+    t.resize_(8)
+    assert t.untyped_storage() is storage and view.untyped_storage().nbytes() == 32
+    assert torch.equal(t[:4].cpu(), torch.arange(4.0))
+    t[:2] = 7.0
+    assert torch.equal(view.cpu(), torch.full((2,), 7.0))
+
+
+@needs_hooks
+def test_accelerator_memory_functions():
+    x = torch.ones(4096, device="tpu")
+    accelerator = torch.accelerator
+    stats = accelerator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == torch.tpu.memory_allocated() >= x.nbytes
+    before = accelerator.memory_allocated()
+    y = torch.ones(8192, device="tpu")
+    assert accelerator.memory_allocated() - before == y.nbytes
+    assert accelerator.max_memory_allocated() >= accelerator.memory_allocated()
+    assert accelerator.memory_reserved() >= accelerator.memory_allocated()
+    del y
+    accelerator.empty_cache()
+    assert accelerator.memory_allocated() == before
+    accelerator.reset_peak_memory_stats()
+    assert accelerator.max_memory_allocated() == accelerator.memory_allocated()
+    free, total = accelerator.get_memory_info()
+    assert (free, total) == torch.tpu.mem_get_info() == torch.tpu.mem_get_info("tpu:0")
+    assert 0 < free <= total and total - free >= x.nbytes
+    accelerator.synchronize()
+    accelerator.synchronize(0)
+
+
+@needs_hooks
+def test_storages_pytorch_creates_on_tpu():
+    storage = torch.UntypedStorage(16, device="tpu")  # crashed without a device allocator
+    assert storage.nbytes() == 16 and storage.device == torch.device("tpu", 0)
+    assert torch.equal(_storage_tensor(storage).cpu(), torch.zeros(4))  # zeros at first use
+    assert storage.data_ptr() != torch.UntypedStorage(16, device="tpu").data_ptr()
+    assert torch.empty(3, device="tpu").untyped_storage().nbytes() == 12
+
+
+def test_without_the_extension(tmp_path):
+    """A failed build: a warning names what needs the C++ hooks; everything else works."""
+    name, build_dir = native._location()
+    tag_dir = tmp_path / "ext" / os.path.basename(build_dir)
+    tag_dir.mkdir(parents=True)
+    (tag_dir / f"{name}.failed").write_text("the C++ hooks failed to build: no compiler (test)")
+    code = textwrap.dedent("""
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch
+        from torchtpu.runtime import native
+        assert not native.registered()
+        message = " ".join(str(w.message) for w in caught)
+        assert "no compiler (test)" in message and "torch.Generator('tpu')" in message, message
+        assert "UntypedStorage.resize_" in message and "memory statistics" in message, message
+        t = torch.arange(4.0, device="tpu")
+        t.resize_(8)  # a new storage for t, the old elements kept
+        assert torch.equal(t[:4].cpu(), torch.arange(4.0)) and t.untyped_storage().nbytes() == 32
+        torch.manual_seed(1)
+        drawn = torch.randn(3, device="tpu").cpu()
+        torch.manual_seed(1)
+        assert torch.equal(torch.randn(3, device="tpu").cpu(), drawn)
+        free, total = torch.tpu.mem_get_info()
+        assert 0 < free <= total and torch.tpu.memory_allocated() > 0
+        try:
+            t.untyped_storage().resize_(0)
+        except NotImplementedError as exc:
+            assert "resizePrivateUse1Bytes" in str(exc)
+        else:
+            raise AssertionError("resize_ worked without the C++ hooks")
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -1,25 +1,35 @@
 // The C++ PrivateUse1 hooks of the `tpu` device.
 //
-// PyTorch reaches some device features only through at::PrivateUse1HooksInterface, in C++:
-// pinned host memory (Tensor.pin_memory, DataLoader(pin_memory=True)), and later generators,
-// storage resizing and device allocators. The Python hooks object (torch._C._acc) exposes only
-// is_available / has_primary_context / is_built, and the hooks can be registered only ONCE per
-// process, so this object replaces the Python one entirely. Built and loaded by
+// PyTorch reaches some device features only from C++: at::PrivateUse1HooksInterface (pinned host
+// memory, generators, storage resizing), the allocator registered for the device type
+// (torch.accelerator's memory statistics) and the device guard (torch.accelerator.synchronize).
+// The Python hooks object (torch._C._acc) exposes only is_available / has_primary_context /
+// is_built, and its guard cannot synchronise; the hooks can be registered only ONCE per process,
+// so these objects replace the Python ones entirely. Built and loaded by
 // torchtpu/runtime/native.py.
 //
-// To add a hook later (getNewGenerator, resizePrivateUse1Bytes, a device allocator, ...):
-// override it in TpuHooks; if it needs Python, pass one more callable to register_hooks and
-// call it the way isAvailable() does (take the GIL first).
+// What needs the runtime is asked of one Python object, `callbacks` (torchtpu/device/hooks.py):
+// each hook calls one of its functions by name, holding the GIL. To add a hook: override it
+// here, add its function there.
 
 // pybind11 as bundled with torch, not <torch/extension.h>: that one pulls in all of libtorch's
 // C++ API and makes the first build ~5x slower (about 36 s of CPU instead of 7 s).
 #include <pybind11/pybind11.h>
 
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/Storage.h>  // THPStorage_Wrap: a storage's Python object, with its jax.Array
 
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -102,37 +112,273 @@ void PinnedAllocator::Delete(void* ptr) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Calling Python.
+// ---------------------------------------------------------------------------------------------
+
+// The callbacks object given to register_hooks. Leaked on purpose (as the hooks below): PyTorch
+// may call a hook during interpreter shutdown, after static destructors would have run.
+py::object* g_callbacks = nullptr;
+
+// Run `body` (which calls the callbacks and converts their results) holding the GIL. Hooks are
+// called from C++ with or without the GIL held. A Python exception propagates as it is
+// (py::error_already_set): PyTorch's bindings restore it, so torch.OutOfMemoryError stays one.
+template <typename Body>
+auto with_python(const char* hook, Body&& body) {
+  TORCH_CHECK(Py_IsInitialized() && g_callbacks != nullptr, "tpu: ", hook,
+              " was called without a Python interpreter or registered callbacks");
+  py::gil_scoped_acquire gil;
+  return body(*g_callbacks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random generators: torch.Generator("tpu").
+//
+// A tpu generator is a (seed, offset) pair, like the device's default state in
+// torchtpu/runtime/rng.py: a random op given `generator=g` draws its key from g's pair (the
+// Python executor reads and advances it through initial_seed / get_offset / set_offset), so the
+// same seed gives the same numbers as torch.tpu.manual_seed. get_state() is 16 bytes (seed,
+// offset as native uint64s), the format of torch.tpu.get_rng_state().
+// ---------------------------------------------------------------------------------------------
+class TpuGenerator : public c10::GeneratorImpl {
+ public:
+  explicit TpuGenerator(c10::DeviceIndex index, uint64_t seed = c10::default_rng_seed_val)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        seed_(seed) {}
+
+  // PyTorch's bindings hold mutex_ around these already: none of them takes it.
+  void set_current_seed(uint64_t seed) override { store(seed, 0); }  // a new seed restarts
+  uint64_t current_seed() const override { return load().first; }
+  void set_offset(uint64_t offset) override { store(load().first, offset); }
+  uint64_t get_offset() const override { return load().second; }
+
+  uint64_t seed() override {
+    uint64_t seed = c10::detail::getNonDeterministicRandom();
+    set_current_seed(seed);
+    return seed;
+  }
+
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto [seed, offset] = load();
+    const uint64_t words[2] = {seed, offset};
+    at::TensorBase state = at::detail::empty_cpu({kStateBytes}, c10::ScalarType::Byte);
+    std::memcpy(state.mutable_data_ptr(), words, kStateBytes);
+    return state.getIntrusivePtr();
+  }
+
+  void set_state(const c10::TensorImpl& state) override {
+    at::detail::check_rng_state(state);
+    TORCH_CHECK(state.numel() == kStateBytes, "tpu RNG state must be ", kStateBytes,
+                " bytes (seed, offset), from get_state() or torch.tpu.get_rng_state(); got ",
+                state.numel());
+    uint64_t words[2];
+    std::memcpy(words, state.data(), kStateBytes);
+    store(words[0], words[1]);
+  }
+
+ protected:
+  virtual std::pair<uint64_t, uint64_t> load() const { return {seed_, offset_}; }
+  virtual void store(uint64_t seed, uint64_t offset) {
+    seed_ = seed;
+    offset_ = offset;
+  }
+
+ private:
+  static constexpr int64_t kStateBytes = 16;
+
+  TpuGenerator* clone_impl() const override {  // a standalone copy (of a default one, too)
+    auto* copy = new TpuGenerator(device_.index());
+    std::tie(copy->seed_, copy->offset_) = load();
+    return copy;
+  }
+
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
+
+// The device's default generator (torch.accelerator.get_rng_state, initial_seed): its pair IS
+// the state in torchtpu/runtime/rng.py that torch.tpu.manual_seed sets and random ops without a
+// generator draw from, so both APIs read one state.
+class TpuDefaultGenerator final : public TpuGenerator {
+ public:
+  using TpuGenerator::TpuGenerator;
+
+  void set_current_seed(uint64_t seed) override {  // as torch.tpu.manual_seed (initial_seed too)
+    with_python("the default generator", [&](py::object& callbacks) {
+      callbacks.attr("manual_seed")(static_cast<int>(device_.index()), seed);
+    });
+  }
+
+ protected:
+  std::pair<uint64_t, uint64_t> load() const override {
+    return with_python("the default generator", [&](py::object& callbacks) {
+      auto pair = callbacks.attr("rng_state")(static_cast<int>(device_.index())).cast<py::tuple>();
+      return std::make_pair(pair[0].cast<uint64_t>(), pair[1].cast<uint64_t>());
+    });
+  }
+
+  void store(uint64_t seed, uint64_t offset) override {
+    with_python("the default generator", [&](py::object& callbacks) {
+      callbacks.attr("set_rng_state")(static_cast<int>(device_.index()), seed, offset);
+    });
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The device allocator.
+//
+// A tpu storage's bytes are a jax.Array that PJRT allocates; a storage's own data pointer is a
+// fake, never dereferenced address (torchtpu/device/bridge.py). PyTorch still asks the allocator
+// registered for the device type: torch.accelerator's memory functions (c10::getDeviceAllocator,
+// whose absence is the internal assert "device_allocator"), and torch.UntypedStorage(n,
+// device="tpu"), which crashed without one. So allocate() hands out a fake address from the
+// bridge's counter (the array comes at first use, as for torch.empty), and the statistics are
+// torchtpu.runtime.memory's: PJRT's figures, or torchtpu's own accounting on XLA:CPU.
+// ---------------------------------------------------------------------------------------------
+class TpuAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    auto [index, address] = with_python("allocate", [&](py::object& callbacks) {
+      auto pair = callbacks.attr("allocate")(nbytes).cast<py::tuple>();
+      return std::make_pair(pair[0].cast<int>(), pair[1].cast<uintptr_t>());
+    });
+    return {reinterpret_cast<void*>(address),
+            c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(index))};
+  }
+
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {
+    TORCH_CHECK(false, "tpu: a tpu storage's bytes live in a jax.Array and cannot be copied by "
+                       "address; copy the tensor instead (tensor.clone())");
+  }
+
+  // The runtime has started: before that there is nothing to report (PyTorch then returns empty
+  // statistics, as for CUDA before its first use).
+  bool initialized() override {
+    return with_python("allocator", [](py::object& callbacks) {
+      return callbacks.attr("is_initialized")().cast<bool>();
+    });
+  }
+
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override {
+    with_python("empty_cache", [](py::object& callbacks) { callbacks.attr("empty_cache")(); });
+  }
+
+  // XLA runs a device's work in order and frees a buffer when its last user is done.
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex index) override {
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    with_python("memory_stats", [&](py::object& callbacks) {
+      // PyTorch's flattened names ("allocated_bytes.all.current", ...); absent ones stay 0.
+      py::dict figures = callbacks.attr("memory_stats")(static_cast<int>(index));
+      auto figure = [&](const std::string& key) -> int64_t {
+        if (!figures.contains(key)) return 0;
+        py::object value = figures[py::str(key)];
+        return py::isinstance<py::int_>(value) ? value.cast<int64_t>() : 0;
+      };
+      const std::pair<const char*, c10::CachingAllocator::StatArray*> arrays[] = {
+          {"allocation", &stats.allocation},         {"segment", &stats.segment},
+          {"active", &stats.active},                 {"allocated_bytes", &stats.allocated_bytes},
+          {"reserved_bytes", &stats.reserved_bytes}, {"active_bytes", &stats.active_bytes},
+          {"requested_bytes", &stats.requested_bytes}};
+      constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+      for (const auto& [name, array] : arrays) {
+        auto& stat = (*array)[kAll];
+        const std::string prefix = std::string(name) + ".all.";
+        stat.current = figure(prefix + "current");
+        stat.peak = figure(prefix + "peak");
+        stat.allocated = figure(prefix + "allocated");
+        stat.freed = figure(prefix + "freed");
+      }
+      stats.num_alloc_retries = figure("num_alloc_retries");
+      stats.num_ooms = figure("num_ooms");
+      stats.num_device_alloc = figure("num_device_alloc");
+      stats.num_device_free = figure("num_device_free");
+    });
+    return stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex /*index*/) override {}  // none are accumulated
+
+  void resetPeakStats(c10::DeviceIndex index) override {
+    with_python("reset_peak_memory_stats", [&](py::object& callbacks) {
+      callbacks.attr("reset_peak_memory_stats")(static_cast<int>(index));
+    });
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex index) override {
+    return with_python("mem_get_info", [&](py::object& callbacks) {
+      auto pair = callbacks.attr("mem_get_info")(static_cast<int>(index)).cast<py::tuple>();
+      return std::make_pair(pair[0].cast<size_t>(), pair[1].cast<size_t>());
+    });
+  }
+};
+
+TpuAllocator& device_allocator() {  // leaked on purpose, as the pinned allocator
+  static TpuAllocator* allocator = new TpuAllocator();
+  return *allocator;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The device guard: what the Python guard (torch._C._acc.DeviceGuard) does, which is nothing
+// (one device as far as guards go, one default stream, no events), plus synchronizeDevice, which
+// it cannot do and torch.accelerator.synchronize() needs.
+// ---------------------------------------------------------------------------------------------
+struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
+  static constexpr auto kType = c10::DeviceType::PrivateUse1;
+
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device /*device*/) const override { return getDevice(); }
+  c10::Device getDevice() const override { return c10::Device(kType, 0); }
+  void setDevice(c10::Device /*device*/) const override {}
+  void uncheckedSetDevice(c10::Device /*device*/) const noexcept override {}
+  c10::Stream getStream(c10::Device /*device*/) const noexcept override { return stream(); }
+  c10::Stream getNewStream(c10::Device /*device*/, int /*priority*/) const override {
+    return stream();
+  }
+  c10::Stream exchangeStream(c10::Stream /*stream*/) const noexcept override { return stream(); }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*index*/,
+              const c10::EventFlag /*flag*/) const override {}
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  bool queryEvent(void* /*event*/) const override { return true; }
+  void destroyEvent(void* /*event*/, const c10::DeviceIndex /*index*/) const noexcept override {}
+  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+
+  void synchronizeDevice(const c10::DeviceIndex index) const override {
+    with_python("synchronize", [&](py::object& callbacks) {
+      callbacks.attr("synchronize")(static_cast<int>(index));
+    });
+  }
+
+ private:
+  c10::Stream stream() const { return c10::Stream(c10::Stream::DEFAULT, getDevice()); }
+};
+
+// ---------------------------------------------------------------------------------------------
 // The hooks.
 // ---------------------------------------------------------------------------------------------
 struct TpuHooks final : at::PrivateUse1HooksInterface {
-  // The Python callables are set once, under the GIL, by register_hooks.
-  py::function is_available_;
-  py::function has_primary_context_;
-
   bool isBuilt() const override { return true; }
 
   // Must never throw (AcceleratorHooksInterface's contract): a Python error reads as False.
   bool isAvailable() const override {
     if (!Py_IsInitialized()) return false;  // asked during interpreter shutdown
-    py::gil_scoped_acquire gil;  // called from C++ with or without the GIL held
+    py::gil_scoped_acquire gil;
     try {
-      return is_available_().cast<bool>();
+      return g_callbacks->attr("is_available")().cast<bool>();
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("torchtpu hooks: is_available");
       return false;
     }
   }
 
-  bool hasPrimaryContext(c10::DeviceIndex device_index) const override {
+  bool hasPrimaryContext(c10::DeviceIndex index) const override {
     if (!Py_IsInitialized()) return false;
-    py::gil_scoped_acquire gil;
-    try {
-      return has_primary_context_(static_cast<int>(device_index)).cast<bool>();
-    } catch (py::error_already_set& e) {
-      // A c10::Error reaches Python as RuntimeError; pybind's error needs the GIL we hold here.
-      TORCH_CHECK(false, "torchtpu hooks: has_primary_context(", static_cast<int>(device_index),
-                  ") raised: ", e.what());
-    }
+    return with_python("has_primary_context", [&](py::object& callbacks) {
+      return callbacks.attr("has_primary_context")(static_cast<int>(index)).cast<bool>();
+    });
   }
 
   void init() const override {}  // nothing to set up: the runtime starts lazily in Python
@@ -148,36 +394,79 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
                 "tpu: a raw pointer cannot name a tpu device: tpu tensors hold jax.Arrays, not "
                 "device pointers (from_blob/DLPack on tpu memory is not supported)");
   }
+
+  // torch.Generator("tpu"): a new generator; "tpu" without an index means the current device.
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return at::make_generator<TpuGenerator>(resolve(index));
+  }
+
+  // torch.accelerator's random functions; PyTorch keeps the returned reference.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    index = resolve(index);
+    std::lock_guard<std::mutex> lock(mutex_);
+    at::Generator& generator = default_generators_[index];  // std::map: references stay valid
+    if (!generator.defined()) generator = at::make_generator<TpuDefaultGenerator>(index);
+    return generator;
+  }
+
+  // UntypedStorage.resize_ (FSDP2 frees an unsharded parameter with resize_(0) and re-allocates
+  // it with resize_(n)). The bridge resizes the storage's jax.Array (the prefix kept, zeros
+  // after, dropped at 0 bytes) and gives a fresh fake address; then the storage takes its new
+  // byte count. Our storages are made fixed-size (resizable() is False, which keeps PyTorch's own
+  // kernels from resizing them), but an explicit resize_ of the storage is meant.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    uintptr_t address = with_python("resize_", [&](py::object& callbacks) {
+      PyObject* wrapped = THPStorage_Wrap(storage);  // the storage's own Python object
+      if (wrapped == nullptr) throw py::error_already_set();
+      auto pystorage = py::reinterpret_steal<py::object>(wrapped);
+      return callbacks.attr("resize_storage")(pystorage, nbytes).cast<uintptr_t>();
+    });
+    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(c10::DataPtr(reinterpret_cast<void*>(address), storage.device()));
+    impl->set_nbytes(nbytes);
+  }
+
+ private:
+  static c10::DeviceIndex resolve(c10::DeviceIndex index) {
+    if (index >= 0) return index;
+    return with_python("current_device", [](py::object& callbacks) {
+      return static_cast<c10::DeviceIndex>(callbacks.attr("current_device")().cast<int>());
+    });
+  }
+
+  mutable std::mutex mutex_;
+  mutable std::map<c10::DeviceIndex, at::Generator> default_generators_;
 };
 
-// Leaked on purpose: PyTorch keeps the registered pointer for the life of the process (there is
-// no unregister) and may call it during shutdown, after static destructors would have run.
+// Leaked on purpose: PyTorch keeps the registered pointers for the life of the process (there is
+// no unregister) and may call them during shutdown, after static destructors would have run.
 TpuHooks* g_hooks = nullptr;
 
-void register_hooks(py::function is_available, py::function has_primary_context) {
-  if (g_hooks != nullptr) {  // ours already: just swap the callables (we hold the GIL)
-    g_hooks->is_available_ = std::move(is_available);
-    g_hooks->has_primary_context_ = std::move(has_primary_context);
+void register_hooks(py::object callbacks) {
+  if (g_hooks != nullptr) {  // ours already: just swap the callbacks (we hold the GIL)
+    *g_callbacks = std::move(callbacks);
     return;
   }
   TORCH_CHECK(!at::isPrivateUse1HooksRegistered(),
               "PrivateUse1 hooks are already registered in this process (e.g. by "
               "torch._C._acc.register_python_privateuseone_hook); they can be registered only once");
-  auto* hooks = new TpuHooks();
-  hooks->is_available_ = std::move(is_available);
-  hooks->has_primary_context_ = std::move(has_primary_context);
-  at::RegisterPrivateUse1HooksInterface(hooks);
-  g_hooks = hooks;
+  g_callbacks = new py::object(std::move(callbacks));
+  g_hooks = new TpuHooks();
+  at::RegisterPrivateUse1HooksInterface(g_hooks);
+  c10::SetAllocator(c10::DeviceType::PrivateUse1, &device_allocator());
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) {  // else someone's guard stays
+    c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, new TpuGuard());
+  }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "torchtpu's C++ PrivateUse1 hooks (pinned memory); see torchtpu.runtime.native";
-  m.def("register_hooks", &register_hooks, py::arg("is_available"),
-        py::arg("has_primary_context"),
-        "register_hooks(is_available: Callable[[], bool], has_primary_context: Callable[[int], "
-        "bool]) -> None: register the C++ PrivateUse1 hooks (once per process)");
+  m.doc() = "torchtpu's C++ PrivateUse1 hooks, allocator and guard; see torchtpu.runtime.native";
+  m.def("register_hooks", &register_hooks, py::arg("callbacks"),
+        "register_hooks(callbacks) -> None: register the C++ PrivateUse1 hooks, device allocator "
+        "and guard (once per process); `callbacks` answers what needs Python "
+        "(torchtpu.device.hooks)");
   m.def("pinned_bytes", [] { return pinned_allocator().bytes(); },
         "pinned_bytes() -> int: bytes of pinned host memory now allocated");
 }

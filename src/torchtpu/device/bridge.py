@@ -143,16 +143,56 @@ _next_address = 1 << 40
 _DEVICES: dict[int, torch.device] = {}
 
 
-def new_storage(nbytes: int, index: int):
-    """A fresh, fixed-size ``tpu:index`` storage of ``nbytes`` bytes (no data attached)."""
+def reserve_address(nbytes: int) -> int:
+    """A fresh fake device address for ``nbytes`` bytes, never reused."""
     global _next_address
-    device = _DEVICES.get(index)
-    if device is None:
-        device = _DEVICES[index] = torch.device("tpu", index)
     with _address_lock:
         address = _next_address
         _next_address += (nbytes // 64 + 2) * 64
-    return _new_storage(address, device, nbytes)
+    return address
+
+
+def new_storage(nbytes: int, index: int):
+    """A fresh, fixed-size ``tpu:index`` storage of ``nbytes`` bytes (no data attached)."""
+    device = _DEVICES.get(index)
+    if device is None:
+        device = _DEVICES[index] = torch.device("tpu", index)
+    return _new_storage(reserve_address(nbytes), device, nbytes)
+
+
+def resize_storage(storage, nbytes: int) -> int:
+    """The data side of ``storage.resize_(nbytes)`` (the C++ hook then sets the byte count): the
+    array keeps its first ``nbytes`` bytes and grows with zeros; at 0 bytes it is dropped, which
+    frees its device memory. Returns the storage's new fake address (0 for no bytes)."""
+    array = getattr(storage, ATTR, None)
+    if array is not None:
+        if nbytes:
+            storage._jax = resized(array, nbytes)
+        else:
+            del storage._jax
+    return reserve_address(nbytes) if nbytes else 0
+
+
+def resized(array, nbytes: int):
+    """``array``'s bytes cut or zero-padded to ``nbytes``, flat (as bytes if its elements do not fit)."""
+    if isinstance(array, Lazy):
+        array = array.materialize()
+    return apply(_resize_flat(array.shape, array.dtype, nbytes), array)
+
+
+@functools.lru_cache(maxsize=1024)  # keyed by sizes: bounded
+def _resize_flat(shape, dtype, nbytes: int):
+    dtype = np.dtype(dtype)
+    keep = dtype if nbytes % dtype.itemsize == 0 else np.dtype(np.uint8)
+    numel = nbytes // keep.itemsize
+
+    def resize(array):
+        flat = _bitcast(array.reshape(-1), keep)
+        if flat.size >= numel:
+            return flat[:numel]
+        return jnp.concatenate([flat, jnp.zeros((numel - flat.size,), keep)])
+
+    return jax.jit(resize)
 
 
 _new_storage = torch._C._construct_storage_from_data_pointer

@@ -73,14 +73,19 @@ def _has_compatible_shallow_copy_type(self, other) -> bool:
 _DENSE = frozenset({"cpu", "cuda", "mps", "hip", "xpu", "hpu", "mtia", "tpu"})
 
 
-def _register_hooks() -> None:
+def _register_hooks() -> bool:
+    """The C++ hooks, allocator and guard; else the Python hooks (True if the C++ ones)."""
+    from torchtpu.device import hooks
     from torchtpu.runtime import native
 
-    if native.register_hooks(state.is_available, lambda index: state.started()):
-        return
+    if native.register_hooks(hooks):
+        return True
     warnings.warn(f"torchtpu: the C++ device hooks are unavailable ({native.unavailable_reason()}); "
-                  "pin_memory() and pinned DataLoaders will not work on tpu", RuntimeWarning, stacklevel=2)
+                  "pin_memory(), pinned DataLoaders, torch.Generator('tpu'), UntypedStorage.resize_ "
+                  "(FSDP2) and torch.accelerator's memory statistics and synchronize() will not work on "
+                  "tpu", RuntimeWarning, stacklevel=2)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    return False
 
 
 def register(module) -> None:
@@ -97,8 +102,8 @@ def register(module) -> None:
         torch.utils.rename_privateuse1_backend("tpu")
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module("tpu", module)
-        _register_hooks()
-        torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+        if not _register_hooks():  # the C++ hooks bring their own guard
+            torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type, "PrivateUse1")
     fallback_lib = torch.library.Library("_", "IMPL")

@@ -31,7 +31,7 @@ from torch._ops import OpOverload
 from torchtpu.device import bridge
 from torchtpu.eager import modes
 from torchtpu.ops.registry import Lowering
-from torchtpu.runtime import placement, platform, rng, state
+from torchtpu.runtime import native, placement, platform, rng, state
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
 from torchtpu import caches, metrics
 
@@ -555,21 +555,20 @@ class OutKernel:
 
 
 def resize(t: torch.Tensor, shape) -> None:
-    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, a grown storage if needed."""
+    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, a grown storage if needed
+    (the old elements kept, as PyTorch's resize_ keeps them)."""
     shape = tuple(int(s) for s in shape)
-    needed = t.storage_offset() + math.prod(shape)
+    nbytes = (t.storage_offset() + math.prod(shape)) * t.element_size()
     storage = t.untyped_storage()
-    if storage.nbytes() < needed * t.element_size():
-        array = getattr(storage, bridge.ATTR, None)
-        grown = bridge.new_storage(needed * t.element_size(), t.get_device())
-        if array is not None:  # keep the old elements, as PyTorch's resize_ does
-            if isinstance(array, bridge.LAZY_TYPES):
-                array = array.materialize()
-            flat = array.reshape(-1)
-            zeros = jax.numpy.zeros((needed * t.element_size() // flat.dtype.itemsize,), flat.dtype,
-                                    device=placement.sharding(t.get_device()))
-            grown._jax = zeros.at[: flat.size].set(flat)
-        storage = grown
+    if storage.nbytes() < nbytes:
+        if native.registered():  # in place (the C++ hook), as PyTorch: every tensor on it sees it
+            storage.resize_(nbytes)
+        else:  # a new storage for t alone
+            grown = bridge.new_storage(nbytes, t.get_device())
+            array = getattr(storage, bridge.ATTR, None)
+            if array is not None:
+                grown._jax = bridge.resized(array, nbytes)
+            storage = grown
     bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
 
 

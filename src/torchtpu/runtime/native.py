@@ -1,4 +1,7 @@
-"""Builds and loads torchtpu's small C++ extension: the PrivateUse1 hooks (``csrc/hooks.cpp``).
+"""Builds and loads torchtpu's small C++ extension: the PrivateUse1 hooks, the device allocator
+and the device guard (``csrc/hooks.cpp``), which give ``tpu`` what PyTorch reaches only from C++:
+pinned host memory, ``torch.Generator("tpu")``, ``UntypedStorage.resize_``, torch.accelerator's
+memory statistics and ``synchronize``.
 
 Contract:
 
@@ -14,9 +17,13 @@ Contract:
   build attempt at every ``import torch``.
 * Fast path: once built, the ``.so`` is loaded directly through importlib, without importing
   ``torch.utils.cpp_extension`` (about 0.1 s); this runs during ``import torch``.
-* ``register_hooks`` registers the C++ hooks, which REPLACE the Python hooks object: PyTorch
-  takes PrivateUse1 hooks only once per process, so call it instead of
-  ``torch._C._acc.register_python_privateuseone_hook``, never after it.
+* ``register_hooks`` registers the C++ hooks, which REPLACE the Python hooks object (and the
+  Python device guard): PyTorch takes PrivateUse1 hooks only once per process, so call it
+  instead of ``torch._C._acc.register_python_privateuseone_hook``, never after it. Its argument
+  answers what needs Python, one function per question, called by name when a hook needs it
+  (``torchtpu.device.hooks`` lists them).
+* Without the extension those features raise PyTorch's own errors: its Python hooks object
+  cannot reach them, so the warning given then (``device/registration.py``) names them.
 
 This module imports nothing from torchtpu but ``torchtpu.config``, and never jax.
 """
@@ -28,7 +35,6 @@ import sys
 import threading
 import time
 from types import ModuleType
-from typing import Callable
 
 from torchtpu.config import config
 
@@ -42,6 +48,7 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 _reason: str | None = None
 _tried = False
+_registered = False
 
 
 class _Failure(Exception):
@@ -221,18 +228,25 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def register_hooks(is_available: Callable[[], bool], has_primary_context: Callable[[int], bool]) -> bool:
-    """Register the C++ PrivateUse1 hooks in place of the Python ones; True if they are now registered."""
-    global _reason
+def register_hooks(callbacks: object) -> bool:
+    """Register the C++ PrivateUse1 hooks (and allocator, guard) in place of the Python ones, with
+    ``callbacks`` answering what needs Python; True if they are now registered."""
+    global _reason, _registered
     module = load()
     if module is None:
         return False
     try:
-        module.register_hooks(is_available, has_primary_context)
+        module.register_hooks(callbacks)
     except Exception as exc:  # hooks already registered by someone else
         _reason = _one_line(exc)
         return False
+    _registered = True
     return True
+
+
+def registered() -> bool:
+    """Whether this process uses the C++ hooks (``register_hooks`` succeeded)."""
+    return _registered
 
 
 def pinned_bytes() -> int:

@@ -3,6 +3,11 @@
 Every random op consumes one offset; its key is ``fold_in(key(seed), offset)``, computed inside
 the jitted program so drawing costs no extra dispatch. Same seed, same numbers.
 
+A ``torch.Generator("tpu")`` (made by the C++ hooks, ``csrc/hooks.cpp``) is a (seed, offset) pair
+of its own: an op given ``generator=g`` draws from g's pair and leaves the device's untouched.
+The device's default generator (``torch.accelerator.get_rng_state``) reads and writes the state
+here, through ``seed_offset`` and ``set_seed_offset``.
+
 The state is plain Python: seeding works before the runtime starts (as ``torch.cuda.manual_seed``
 does), so this module imports JAX only where a key is made, inside a traced program.
 """
@@ -20,7 +25,8 @@ from torchtpu.runtime import state
 _DEFAULT_SEED = 67280421310721  # torch's default CPU seed, for familiarity
 
 
-_lock = threading.Lock()
+# Reentrant: drawing from a default generator object calls back into this module under the lock.
+_lock = threading.RLock()
 _seeds: dict[int, int] = {}
 _offsets: dict[int, int] = {}
 _initial: dict[int, int] = {}
@@ -33,13 +39,20 @@ def _ensure(index: int) -> None:
         _offsets[index] = 0
 
 
-def next_key_args(index: int) -> tuple[np.uint32, np.uint32, np.uint32]:
-    """Advance ``tpu:index``'s state by one draw; returns (seed_hi, seed_lo, offset) as uint32s."""
+def next_key_args(index: int, generator: torch.Generator | None = None) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """Advance ``tpu:index``'s state (or ``generator``'s) by one draw; returns (seed_hi, seed_lo,
+    offset) as uint32s."""
     with _lock:
-        _ensure(index)
-        offset = _offsets[index]
-        _offsets[index] = offset + 1
-        seed = _seeds[index]
+        if generator is None:
+            _ensure(index)
+            seed, offset = _seeds[index], _offsets[index]
+            _offsets[index] = offset + 1
+        else:
+            if generator.device.type != "tpu":
+                raise RuntimeError(f"Expected a 'tpu' device type for generator but found "
+                                   f"'{generator.device.type}'")
+            seed, offset = generator.initial_seed(), generator.get_offset()
+            generator.set_offset(offset + 1)
     return np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint32(seed & 0xFFFFFFFF), np.uint32(offset & 0xFFFFFFFF)
 
 
@@ -80,22 +93,30 @@ def initial_seed(index: int | None = None) -> int:
 
 def get_state(index: int | None = None) -> torch.Tensor:
     """The state as a CPU ``torch.uint8`` tensor (16 bytes: seed, offset), as torch.cuda returns."""
-    i = _current() if index is None else index
+def seed_offset(index: int) -> tuple[int, int]:
+    """``tpu:index``'s (seed, offset)."""
     with _lock:
-        _ensure(i)
-        data = np.array([_seeds[i], _offsets[i]], dtype=np.uint64)
+        _ensure(index)
+        return _seeds[index], _offsets[index]
+
+
+def set_seed_offset(index: int, seed_value: int, offset: int) -> None:
+    """Set ``tpu:index``'s (seed, offset); its initial seed is kept once it has one."""
+    with _lock:
+        _seeds[index] = int(seed_value)
+        _initial.setdefault(index, int(seed_value))
+        _offsets[index] = int(offset)
+
+
+    data = np.array(seed_offset(_current() if index is None else index), dtype=np.uint64)
     return torch.from_numpy(data.view(np.uint8).copy())
 
 
 def set_state(state: torch.Tensor, index: int | None = None) -> None:
-    i = _current() if index is None else index
     if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
         raise RuntimeError("tpu RNG state must be a torch.uint8 tensor of 16 bytes (from get_rng_state())")
     seed_value, offset = state.cpu().numpy().view(np.uint64).tolist()
-    with _lock:
-        _seeds[i] = int(seed_value)
-        _initial.setdefault(i, int(seed_value))
-        _offsets[i] = int(offset)
+    set_seed_offset(_current() if index is None else index, seed_value, offset)
 
 
 _current = state.current_device
