@@ -91,8 +91,6 @@ def initial_seed(index: int | None = None) -> int:
         return _initial[i]
 
 
-def get_state(index: int | None = None) -> torch.Tensor:
-    """The state as a CPU ``torch.uint8`` tensor (16 bytes: seed, offset), as torch.cuda returns."""
 def seed_offset(index: int) -> tuple[int, int]:
     """``tpu:index``'s (seed, offset)."""
     with _lock:
@@ -108,6 +106,8 @@ def set_seed_offset(index: int, seed_value: int, offset: int) -> None:
         _offsets[index] = int(offset)
 
 
+def get_state(index: int | None = None) -> torch.Tensor:
+    """The state as a CPU ``torch.uint8`` tensor (16 bytes: seed, offset), as torch.cuda returns."""
     data = np.array(seed_offset(_current() if index is None else index), dtype=np.uint64)
     return torch.from_numpy(data.view(np.uint8).copy())
 
