@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from torchtpu.runtime import native
+
 pytestmark = pytest.mark.usefixtures("no_fallback")
 N = 20000
 
@@ -190,6 +192,139 @@ def test_multinomial():
         torch.multinomial(probs, 5)
 
 
-def test_generator_argument_is_refused():
-    with pytest.raises(NotImplementedError, match="manual_seed"):
-        torch.ops.aten.uniform.default(torch.zeros(3, device="tpu"), 0.0, 1.0, generator=torch.Generator())
+# ---------------------------------------------------------------- torch.Generator("tpu")
+
+needs_hooks = pytest.mark.skipif(not native.registered(),
+                                 reason=f"torchtpu's C++ hooks are not built here: {native.unavailable_reason()}")
+
+# Every way a generator reaches a random op: factories, in-place samplers, torch.nn.init, a
+# positional generator (rrelu's schema takes it positionally).
+GENERATOR_SAMPLERS = {
+    "randn": lambda g: torch.randn(5, device="tpu", generator=g),
+    "rand": lambda g: torch.rand(3, 4, device="tpu", generator=g),
+    "randint": lambda g: torch.randint(0, 100, (7,), device="tpu", generator=g),
+    "randperm": lambda g: torch.randperm(9, device="tpu", generator=g),
+    "normal_": lambda g: torch.empty(6, device="tpu").normal_(1, 2, generator=g),
+    "normal(Tensor)": lambda g: torch.normal(torch.zeros(6, device="tpu"), 1.0, generator=g),
+    "uniform_": lambda g: torch.empty(6, device="tpu").uniform_(-2, 3, generator=g),
+    "init.normal_": lambda g: torch.nn.init.normal_(torch.empty(6, device="tpu"), generator=g),
+    "init.uniform_": lambda g: torch.nn.init.uniform_(torch.empty(6, device="tpu"), generator=g),
+    "bernoulli": lambda g: torch.bernoulli(torch.full((8,), 0.5, device="tpu"), generator=g),
+    "bernoulli_": lambda g: torch.empty(8, device="tpu").bernoulli_(0.5, generator=g),
+    "multinomial": lambda g: torch.multinomial(torch.ones(10, device="tpu"), 4, generator=g),
+    "random_": lambda g: torch.empty(6, device="tpu").random_(0, 1000, generator=g),
+    "exponential_": lambda g: torch.empty(6, device="tpu").exponential_(generator=g),
+    "rrelu": lambda g: torch.ops.aten.rrelu_with_noise(torch.full((6,), -1.0, device="tpu"),
+                                                       torch.zeros(6, device="tpu"), 0.1, 0.3, True, g),
+}
+
+
+def _tpu_generator(seed: int) -> torch.Generator:
+    return torch.Generator("tpu").manual_seed(seed)
+
+
+@needs_hooks
+@pytest.mark.usefixtures("each_eager_mode")
+@pytest.mark.parametrize("name", GENERATOR_SAMPLERS)
+def test_generator_draws_from_its_own_state(name):
+    fn = GENERATOR_SAMPLERS[name]
+    device_state = torch.tpu.get_rng_state()
+    g1, g2 = _tpu_generator(11), _tpu_generator(11)
+    first = fn(g1).cpu()
+    torch.rand(3, device="tpu", generator=_tpu_generator(99))  # another generator in between
+    assert_close(fn(g2).cpu(), first)  # same seed, same numbers; generators are independent
+    assert not torch.equal(fn(g1).cpu(), first)  # g1 moved on
+    assert not torch.equal(fn(_tpu_generator(12)).cpu(), first)
+    assert torch.equal(torch.tpu.get_rng_state(), device_state)  # the device's state is untouched
+
+
+@needs_hooks
+def test_generator_seed_matches_device_seed():
+    """A generator seeded with s draws what the device draws after torch.tpu.manual_seed(s)."""
+    torch.tpu.manual_seed(5)
+    from_device = torch.randn(8, device="tpu").cpu()
+    assert_close(torch.randn(8, device="tpu", generator=_tpu_generator(5)).cpu(), from_device)
+
+
+@needs_hooks
+def test_dropout_draws_from_the_device_state_only():
+    x = torch.ones(64, device="tpu")
+    torch.manual_seed(3)
+    a = torch.nn.functional.dropout(x, 0.5).cpu()
+    torch.manual_seed(3)
+    torch.randn(4, device="tpu", generator=_tpu_generator(0))
+    assert_close(torch.nn.functional.dropout(x, 0.5).cpu(), a)
+
+
+@needs_hooks
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_generator_api_as_on_cpu(device):
+    """The torch.Generator API behaves on a tpu generator as it does on a CPU one."""
+    g = torch.Generator(device)
+    assert g.device.type == device
+    assert g.initial_seed() == torch.Generator("cpu").initial_seed()  # PyTorch's default seed
+    assert g.manual_seed(9) is g and g.initial_seed() == 9
+    state = g.get_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    first = torch.rand(5, device=device, generator=g).cpu()
+    second = torch.rand(5, device=device, generator=g).cpu()
+    g.set_state(state)
+    assert_close(torch.rand(5, device=device, generator=g).cpu(), first)
+    assert_close(torch.rand(5, device=device, generator=g).cpu(), second)
+    seed = g.seed()
+    assert g.initial_seed() == seed
+    clone = g.clone_state()
+    assert clone is not g and clone.device == g.device
+    assert_close(torch.rand(5, device=device, generator=clone).cpu(), torch.rand(5, device=device, generator=g).cpu())
+    with pytest.raises(TypeError, match="ByteTensor"):
+        g.set_state(torch.zeros(3))
+
+
+@needs_hooks
+def test_tpu_generator_state_is_the_device_state_format():
+    torch.tpu.manual_seed(21)
+    torch.rand(3, device="tpu")
+    g = torch.Generator("tpu")
+    g.set_state(torch.tpu.get_rng_state())
+    assert g.initial_seed() == 21 and g.get_offset() == 1
+    torch.tpu.manual_seed(21)
+    torch.rand(3, device="tpu")
+    assert_close(torch.rand(4, device="tpu", generator=g).cpu(), torch.rand(4, device="tpu").cpu())
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        g.set_state(torch.zeros(3, dtype=torch.uint8))
+
+
+@needs_hooks
+def test_default_generator_is_the_device_state():
+    """torch.accelerator's random functions read torch.tpu's state (the default generator)."""
+    import torch.accelerator.random as accelerator_random
+
+    torch.tpu.manual_seed(21)
+    torch.rand(2, device="tpu")
+    assert accelerator_random.initial_seed() == 21
+    assert torch.equal(accelerator_random.get_rng_state(), torch.tpu.get_rng_state())
+    default = torch._C._accelerator_getDefaultGenerator(0)
+    default.manual_seed(33)
+    assert torch.tpu.initial_seed() == 33 and default.initial_seed() == 33
+    expected = torch.rand(4, device="tpu").cpu()
+    default.manual_seed(33)
+    assert_close(torch.rand(4, device="tpu", generator=default).cpu(), expected)
+    assert torch.equal(default.get_state(), torch.tpu.get_rng_state())  # the draw advanced it
+
+
+def test_cpu_generator_on_tpu_is_refused_as_on_cuda():
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+        torch.rand(3, device="tpu", generator=torch.Generator())
+
+
+def test_cpu_sampling_with_cpu_generators_is_unaffected():
+    """DataLoader shuffling and RandomSampler with a CPU generator: CPU numbers, tpu state untouched."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    device_state = torch.tpu.get_rng_state()
+    expected = torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
+    assert list(RandomSampler(range(10), generator=torch.Generator().manual_seed(0))) == expected
+    orders = [next(iter(DataLoader(list(range(10)), batch_size=10, shuffle=True,
+                                   generator=torch.Generator().manual_seed(0)))).tolist() for _ in range(2)]
+    assert orders[0] == orders[1] and sorted(orders[0]) == list(range(10))
+    assert torch.equal(torch.tpu.get_rng_state(), device_state)

@@ -84,6 +84,9 @@ class _Signature:
         self.returns_tuple = len(returns) > 1
         self.returns_none = len(returns) == 0
         self.device_arg = any(a.name == "device" for a in schema.arguments)
+        # (position among the positional arguments, or None if keyword-only; name) of a Generator
+        self.generator = next(((None if a.kwarg_only else i, a.name) for i, a in enumerate(schema.arguments)
+                               if str(a.type) == "Optional[Generator]"), None)
 
 
 class _Float(float):
@@ -383,6 +386,9 @@ class Kernel:
     def run(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
         lowering = self.lowering
+        generator = None
+        if lowering.random and self.sig.generator is not None:
+            args, kwargs, generator = _take_generator(self.sig.generator, args, kwargs)
         if not lowering.jit and modes.deferring():
             modes.flush("data_dependent")  # the output shape depends on values: they must exist
             call = Call(self.sig, args, kwargs, concrete=True)
@@ -396,13 +402,28 @@ class Kernel:
             fn = self._jitted.get((call.key, None)) or self.compiled(call.key, None)
         dyn = call.dyn
         if lowering.random:
-            dyn = (*rng.next_key_args(index), *dyn)
+            dyn = (*rng.next_key_args(index, generator), *dyn)
         _op_counts[self.name] += 1
         return index, modes.execute(self, fn, dyn, index)
 
     def __call__(self, *args, **kwargs):
         index, out = self.run(args, kwargs)
         return wrap_outputs(out, index, self.sig)
+
+
+def _take_generator(slot, args, kwargs):
+    """A random op's ``generator`` argument, taken out (None in its place): the key is drawn
+    from it before the call, and the op's program does not depend on which generator it was."""
+    position, name = slot
+    if position is not None and position < len(args):
+        generator = args[position]
+        if generator is not None:
+            args = (*args[:position], None, *args[position + 1:])
+    else:
+        generator = kwargs.get(name)
+        if generator is not None:
+            kwargs = {**kwargs, name: None}
+    return args, kwargs, generator
 
 
 def _device_index(call: Call, kwargs, sig: _Signature) -> int:

@@ -3,7 +3,8 @@
 The key comes from the device's (seed, offset) state (``runtime/rng.py``), so the same seed gives
 the same numbers on the tpu device; they are not the CPU generator's numbers. In-place samplers
 (``uniform_``, ``normal_``, ...) are lowered as functions returning the new value of ``self``.
-A ``torch.Generator`` argument is not supported: seed the device with ``torch.manual_seed``.
+An op given ``generator=g`` (a ``torch.Generator("tpu")``) draws its key from g's own (seed,
+offset) instead: the executor does that before the lowering runs, which never sees ``generator``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,6 @@ import torch
 
 from torchtpu.ops.dtypes import is_float, to_jax_dtype
 from torchtpu.ops.registry import aten, lowering
-
-
-def _check(generator) -> None:
-    if generator is not None:
-        raise NotImplementedError("tpu: random ops do not take a torch.Generator; seed the device with "
-                                  "torch.manual_seed / torch.tpu.manual_seed instead")
 
 
 def _sample_dtype(dtype):
@@ -44,13 +39,11 @@ def _factory_dtype(dtype):
 
 @lowering(aten.uniform.default, random=True)
 def uniform(key, x, low=0.0, high=1.0, *, generator=None):
-    _check(generator)
     return _uniform(key, x.shape, x.dtype, low, high)
 
 
 @lowering(aten.normal_.default, aten.normal_functional.default, random=True)
 def normal_(key, x, mean=0.0, std=1.0, *, generator=None):
-    _check(generator)
     if std < 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
     return _normal(key, x.shape, x.dtype, mean, std)
@@ -58,7 +51,6 @@ def normal_(key, x, mean=0.0, std=1.0, *, generator=None):
 
 @lowering(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor, random=True)
 def normal(key, mean, std=1.0, *, generator=None):
-    _check(generator)
     dtype = next(a.dtype for a in (mean, std) if hasattr(a, "dtype"))
     shape = jnp.broadcast_shapes(jnp.shape(mean), jnp.shape(std))
     return (_normal(key, shape, dtype) * std + mean).astype(dtype)
@@ -67,7 +59,6 @@ def normal(key, mean, std=1.0, *, generator=None):
 @lowering(aten.normal.float_float, random=True)
 def normal_float_float(key, mean, std, size, *, generator=None, dtype=None, layout=None, device=None,
                        pin_memory=None):
-    _check(generator)
     return _normal(key, tuple(size), _factory_dtype(dtype), mean, std)
 
 
@@ -77,13 +68,11 @@ def _bernoulli(key, p, shape, dtype):
 
 @lowering(aten.bernoulli.default, random=True)
 def bernoulli(key, x, *, generator=None):
-    _check(generator)
     return _bernoulli(key, x, x.shape, x.dtype)
 
 
 @lowering(aten.bernoulli.p, aten.bernoulli_.float, aten.bernoulli.Tensor, random=True)
 def bernoulli_p(key, x, p=0.5, *, generator=None):
-    _check(generator)
     return _bernoulli(key, p, x.shape, x.dtype)
 
 
@@ -106,18 +95,15 @@ def _random(key, x, low: int, high: int | None):
 
 @lowering(aten.random.default, random=True)
 def random_default(key, x, *, generator=None):
-    _check(generator)
     return _random(key, x, 0, None)
 
 
 @lowering(aten.random.to, random=True)
 def random_to(key, x, to, *, generator=None):
-    _check(generator)
     return _random(key, x, 0, to)
 
 
 def random_from(key, x, low, high=None, *, generator=None):
-    _check(generator)
     return _random(key, x, low, high)
 
 
@@ -126,14 +112,12 @@ lowering(getattr(aten.random, "from"), random=True)(random_from)  # "from" is a 
 
 @lowering(aten.exponential.default, random=True)
 def exponential(key, x, lambd=1.0, *, generator=None):
-    _check(generator)
     sample = jax.random.exponential(key, x.shape, _sample_dtype(x.dtype))
     return (sample / lambd).astype(x.dtype)
 
 
 @lowering(aten.geometric.default, random=True)
 def geometric(key, x, p, *, generator=None):
-    _check(generator)
     u = jax.random.uniform(key, x.shape, jnp.float64 if x.dtype == jnp.float64 else jnp.float32,
                            minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
     return jnp.ceil(jnp.log(u) / jnp.log1p(-p)).astype(x.dtype)
@@ -141,13 +125,11 @@ def geometric(key, x, p, *, generator=None):
 
 @lowering(aten.log_normal.default, random=True)
 def log_normal(key, x, mean=1.0, std=2.0, *, generator=None):
-    _check(generator)
     return jnp.exp(_normal(key, x.shape, _sample_dtype(x.dtype), mean, std)).astype(x.dtype)
 
 
 @lowering(aten.cauchy.default, random=True)
 def cauchy(key, x, median=0.0, sigma=1.0, *, generator=None):
-    _check(generator)
     return (jax.random.cauchy(key, x.shape, _sample_dtype(x.dtype)) * sigma + median).astype(x.dtype)
 
 
@@ -155,13 +137,11 @@ def cauchy(key, x, median=0.0, sigma=1.0, *, generator=None):
 
 @lowering(aten.rand.default, aten.rand.generator, random=True)
 def rand(key, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
-    _check(generator)
     return _uniform(key, tuple(size), _factory_dtype(dtype))
 
 
 @lowering(aten.randn.default, aten.randn.generator, random=True)
 def randn(key, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
-    _check(generator)
     return _normal(key, tuple(size), _factory_dtype(dtype))
 
 
@@ -172,7 +152,6 @@ def randint(key, high, size, *, generator=None, dtype=None, layout=None, device=
 
 @lowering(aten.randint.low, aten.randint.low_generator, random=True)
 def randint_low(key, low, high, size, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
-    _check(generator)
     if low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
     out = to_jax_dtype(dtype if dtype is not None else torch.int64)
@@ -181,13 +160,11 @@ def randint_low(key, low, high, size, *, generator=None, dtype=None, layout=None
 
 @lowering(aten.randperm.default, aten.randperm.generator, random=True)
 def randperm(key, n, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
-    _check(generator)
     return jax.random.permutation(key, n).astype(to_jax_dtype(dtype if dtype is not None else torch.int64))
 
 
 @lowering(aten.multinomial.default, random=True)
 def multinomial(key, probs, num_samples, replacement=False, *, generator=None):
-    _check(generator)
     if probs.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not replacement and num_samples > probs.shape[-1]:

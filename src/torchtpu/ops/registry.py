@@ -23,7 +23,8 @@ Conventions (what a lowering receives and returns):
   returns their new values after the op's own outputs, and eager writes them back.
 
 Every executor calls a lowering the same way: ``Lowering.call(key, args, kwargs, platform)``
-(the key is passed only to random ops; the platform picks an override, below).
+(the key is passed only to random ops, drawn from the op's ``generator=`` if it has one, else from
+the device's state; the platform picks an override, below).
 
 **Platform overrides.** ``@lowering(op, platform="gpu")`` registers a replacement for the generic
 lowering on one platform (a Pallas or cuDNN kernel); the generic lowering stays the reference,
@@ -67,9 +68,18 @@ class Lowering:
         return OVERRIDES.get((self.op, platform), self.fn) if platform else self.fn
 
     def call(self, key, args, kwargs, platform: str | None = None):
-        """Run the lowering: ``key`` (a ``jax.random`` key) goes first for random ops only."""
+        """Run the lowering: ``key`` (a ``jax.random`` key) goes first for random ops only. A
+        random op's ``generator=`` never reaches its lowering: the executor draws ``key`` from
+        that generator's state instead of the device's (``eager/dispatch.py``)."""
         fn = self.impl(platform)
-        return fn(key, *args, **kwargs) if self.random else fn(*args, **kwargs)
+        if not self.random:
+            return fn(*args, **kwargs)
+        if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+            raise NotImplementedError(
+                f"tpu: {self.op} was given a torch.Generator where its key comes from the device's "
+                f"state (a torch.compile graph); run it outside the compiled region "
+                f"(torch.compiler.disable), or seed the device with torch.tpu.manual_seed instead")
+        return fn(key, *args, **kwargs)
 
     def graph_problem(self) -> str | None:
         """Why a compiled graph cannot contain this op, or None if it can."""
