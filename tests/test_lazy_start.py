@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run(code: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
@@ -41,6 +43,29 @@ def test_first_use_through_each_entry():
         out = _run(f"import torch; {code}; print(torch.tpu.is_initialized())")
         assert out.returncode == 0, (code, out.stderr)
         assert out.stdout.strip() == "True", code
+
+
+def test_accelerator_queries_before_first_use_start_nothing():
+    """As for CUDA: torch.accelerator's synchronize and memory functions, and a new generator,
+    do not start the runtime (its statistics are empty until then)."""
+    out = _run("""
+        import sys, torch
+        from torchtpu.runtime import native
+        if not native.registered():  # the C++ hooks that serve these are not built here
+            print("unbuilt:", native.unavailable_reason())
+            sys.exit(0)
+        torch.accelerator.synchronize()
+        assert dict(torch.accelerator.memory_stats()) == {} and torch.accelerator.memory_allocated() == 0
+        torch.accelerator.empty_cache()
+        torch.accelerator.reset_peak_memory_stats()
+        torch.Generator("tpu").manual_seed(2)
+        assert "jax" not in sys.modules and not torch.tpu.is_initialized()
+        print("ok")
+    """)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.startswith("unbuilt:"):
+        pytest.skip(out.stdout.strip())
+    assert out.stdout.strip() == "ok"
 
 
 def test_import_torchtpu_runtime_alone():
