@@ -38,6 +38,13 @@ def _count(raw: str) -> int:
     return value
 
 
+def _seconds(raw: str) -> int:
+    value = _count(raw)
+    if value == 0:
+        raise ValueError(f"expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "torchtpu")
@@ -71,6 +78,12 @@ SETTINGS = [
             "DEFER_AND_FUSE programs kept, one per recorded graph structure (LRU; 0: no limit)"),
     Setting("fused_shape_cache_size", "TORCHTPU_FUSED_SHAPE_CACHE_SIZE", _count, lambda: 65536,
             "output shapes kept for DEFER_AND_FUSE recording, one per op and input shapes (LRU; 0: no limit)"),
+    Setting("distributed", "TORCHTPU_DISTRIBUTED", _bool, lambda: True,
+            "under a launcher with WORLD_SIZE > 1 (torchrun), join the processes' devices with jax.distributed"),
+    Setting("coordinator", "TORCHTPU_COORDINATOR", str, lambda: "",
+            "host:port of the jax.distributed coordinator (default: MASTER_ADDR and the port after MASTER_PORT)"),
+    Setting("distributed_timeout", "TORCHTPU_DISTRIBUTED_TIMEOUT", _seconds, lambda: 300,
+            "seconds to wait for every process to join jax.distributed"),
 ]
 
 

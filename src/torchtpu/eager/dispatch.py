@@ -310,13 +310,13 @@ def _host_scalar(value, dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=4096)
 def _cached_scalar(kind, value, sign):
-    with placement.default(0):
+    with placement.default():
         return jax.numpy.asarray(value)
 
 
 @functools.lru_cache(maxsize=4096)
 def _cached_host_scalar(value, dtype, sign):
-    with placement.default(0):
+    with placement.default():
         return jax.numpy.asarray(np.asarray(value, dtype=TORCH_TO_JAX[dtype]))
 
 

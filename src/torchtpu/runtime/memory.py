@@ -40,7 +40,7 @@ def _live_bytes(index: int) -> tuple[int, int]:
 
 def record_peak() -> None:
     """Update every device's observed peak (called at queries and ``synchronize``)."""
-    for i in range(platform.device_count()):
+    for i in platform.local_indices():
         memory_stats(i)
 
 

@@ -28,9 +28,10 @@ def put(value, index: int) -> jax.Array:
     return jax.device_put(value, sharding(index))
 
 
-def default(index: int):
-    """A context in which JAX makes uncommitted arrays (scalars, constants) on ``tpu:index``."""
-    return jax.default_device(platform.jax_device(index))
+def default(index: int | None = None):
+    """A context in which JAX makes uncommitted arrays (scalars, constants) on ``tpu:index``
+    (default: this process's first device, ``tpu:LOCAL_RANK`` under a multi-process launch)."""
+    return jax.default_device(platform.jax_device(platform.first_index() if index is None else index))
 
 
 def index_of(array: jax.Array) -> int | None:
@@ -39,7 +40,7 @@ def index_of(array: jax.Array) -> int | None:
     devices = platform.devices()
     for shard in array.addressable_shards:
         try:
-            return devices.index(shard.device)
+            return platform.first_index() + devices.index(shard.device)
         except ValueError:
             continue
     return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import jax
 
 from torchtpu.config import config
-from torchtpu.runtime import state
+from torchtpu.runtime import multiprocess, state
 
 _PREFERENCE = ("tpu", "gpu", "cpu")
 
@@ -39,27 +39,48 @@ def platform() -> str:
 
 @functools.cache
 def devices() -> tuple[jax.Device, ...]:
-    """The PJRT devices that ``tpu:0``, ``tpu:1``, ... map to, in order."""
-    return tuple(jax.local_devices(backend=platform()))
+    """The PJRT devices that ``tpu:0``, ``tpu:1``, ... map to, in order. Under a multi-process
+    launch a process drives one device, its first local one (``tpu:LOCAL_RANK``)."""
+    local = tuple(jax.local_devices(backend=platform()))
+    return local[:1] if multiprocess.active() else local
 
 
 def device_count() -> int:
+    """How many devices this process drives."""
     return len(devices())
+
+
+def first_index() -> int:
+    """The ``tpu`` index of this process's first device: 0, or under a multi-process launch
+    ``LOCAL_RANK`` (the host's devices are numbered across its processes, as CUDA's are)."""
+    return multiprocess.local_rank() if multiprocess.active() else 0
+
+
+def local_indices() -> range:
+    """The ``tpu`` indices of the devices this process drives."""
+    base = first_index()
+    return range(base, base + device_count())
 
 
 def jax_device(index: int) -> jax.Device:
     """The PJRT device behind ``tpu:index``."""
     devs = devices()
-    if not 0 <= index < len(devs):
+    base = first_index()
+    if not base <= index < base + len(devs):
+        if multiprocess.active() and 0 <= index < multiprocess.local_world_size():
+            raise RuntimeError(
+                f"tpu:{index} belongs to local rank {index}; this process (local rank {base}) drives "
+                f"tpu:{base}. Under torchrun each process uses its own device: "
+                f"torch.device('tpu', int(os.environ['LOCAL_RANK'])), or plain 'tpu'")
         raise RuntimeError(
             f"Invalid device ordinal tpu:{index}: {len(devs)} {platform().upper()} device(s) are available"
         )
-    return devs[index]
+    return devs[index - base]
 
 
-def device_name(index: int = 0) -> str:
+def device_name(index: int | None = None) -> str:
     """A truthful name for what backs ``tpu:index``, e.g. ``XLA:CPU`` or ``TPU v5 lite``."""
-    dev = jax_device(index)
+    dev = jax_device(first_index() if index is None else index)
     if dev.platform == "cpu":
         return "XLA:CPU"
     kind = getattr(dev, "device_kind", "") or dev.platform.upper()

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import torch
 
-from torchtpu.runtime import state
+from torchtpu.runtime import multiprocess, state
 
 _DEFAULT_SEED = 67280421310721  # torch's default CPU seed, for familiarity
 
@@ -34,7 +34,9 @@ _initial: dict[int, int] = {}
 
 def _ensure(index: int) -> None:
     if index not in _seeds:
-        seed = torch.initial_seed() if index == 0 else _DEFAULT_SEED
+        # The process's first device follows torch.manual_seed, as cuda:0 does (under torchrun
+        # that device is tpu:LOCAL_RANK).
+        seed = torch.initial_seed() if index == multiprocess.local_rank() else _DEFAULT_SEED
         _seeds[index] = _initial[index] = seed
         _offsets[index] = 0
 

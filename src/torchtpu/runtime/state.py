@@ -81,8 +81,9 @@ def start() -> None:
             # that touches tpu gets our error instead (see the module docstring), and DataLoader
             # workers that never touch it are safe, as they are under CUDA.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            from torchtpu.runtime import platform
+            from torchtpu.runtime import multiprocess, platform
 
+            multiprocess.initialize()  # before any other JAX call (a no-op for a lone process)
             platform.devices()
             for callback in list(_on_start):
                 callback()
@@ -150,7 +151,15 @@ def is_available() -> bool:
 
 
 def device_count() -> int:
-    """How many ``tpu:N`` devices there are (without starting the runtime where possible)."""
+    """How many ``tpu:N`` devices there are (without starting the runtime where possible).
+
+    Under a multi-process launch this counts the host's devices, one per local process, as
+    ``torch.cuda.device_count()`` does under torchrun; this process owns ``tpu:LOCAL_RANK``.
+    """
+    from torchtpu.runtime import multiprocess
+
+    if multiprocess.active():
+        return multiprocess.local_world_size()
     if not _started:
         count = _count_without_start()
         if count is not None:
@@ -164,8 +173,14 @@ def device_count() -> int:
 # ---------------------------------------------------------------- the current device
 
 def current_device() -> int:
-    """The index of the current ``tpu`` device of this thread."""
-    return getattr(_local, "index", 0)
+    """The index of the current ``tpu`` device of this thread: by default ``tpu:0``, or under a
+    multi-process launch this process's own device, ``tpu:LOCAL_RANK``."""
+    index = getattr(_local, "index", None)
+    if index is None:
+        from torchtpu.runtime import multiprocess
+
+        index = _local.index = multiprocess.local_rank()
+    return index
 
 
 def device_index(device: Any = None) -> int:

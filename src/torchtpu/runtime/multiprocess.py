@@ -1,0 +1,162 @@
+"""Multi-process start-up: one process per device, as PyTorch runs on CUDA under ``torchrun``.
+
+Under a launcher that sets ``WORLD_SIZE`` > 1 (torchrun, ``torch.multiprocessing`` with the
+same variables, a TPU pod's launcher), each process drives exactly one device, and JAX's
+multi-process runtime (``jax.distributed``) joins the processes so that one XLA program can run
+collectives across all of their devices. ``jax.distributed.initialize`` must come before any
+other JAX call, so ``state.start()`` calls ``initialize()`` here before it asks for devices.
+
+What each process reads (all set by torchrun):
+
+* ``RANK`` / ``WORLD_SIZE``: this process's id and the number of processes (JAX's
+  ``process_id`` / ``num_processes``);
+* ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``: its index among the processes of this host. Its device
+  is ``tpu:LOCAL_RANK``, the index a CUDA script passes to ``set_device``; the other indices of
+  the host belong to the other processes;
+* the coordinator of ``jax.distributed``: ``TORCHTPU_COORDINATOR`` (``host:port``) if set, else
+  ``MASTER_ADDR`` and the port after ``MASTER_PORT`` (torch's own store holds ``MASTER_PORT``).
+
+``TORCHTPU_DISTRIBUTED=0`` turns this off (each process then runs alone, as before).
+
+This module imports no JAX at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torchtpu.config import config
+
+_initialized = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a multi-process launch."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    coordinator: str
+
+
+def _int_env(name: str, default: int | None = None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def coordinator_address() -> str:
+    """``host:port`` of the ``jax.distributed`` coordinator (run by the process of rank 0)."""
+    if config.coordinator:
+        return config.coordinator
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _int_env("MASTER_PORT")
+    if port is None:
+        raise RuntimeError(
+            "tpu: WORLD_SIZE > 1 but neither TORCHTPU_COORDINATOR nor MASTER_PORT is set; launch with "
+            "torchrun, or set TORCHTPU_COORDINATOR=host:port (a free port on the host of rank 0)")
+    return f"{addr}:{port + 1}"
+
+
+def launch() -> Launch | None:
+    """This process's launch, or None when it runs alone (no ``WORLD_SIZE`` > 1, or
+    ``TORCHTPU_DISTRIBUTED=0``)."""
+    world = _int_env("WORLD_SIZE", 1)
+    if world <= 1 or not config.distributed:
+        return None
+    rank = _int_env("RANK")
+    if rank is None:
+        raise RuntimeError("tpu: WORLD_SIZE > 1 but RANK is not set; launch with torchrun")
+    local_rank = _int_env("LOCAL_RANK", 0)
+    local_world = _int_env("LOCAL_WORLD_SIZE", None) or (world if local_rank == rank else local_rank + 1)
+    return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                  coordinator=coordinator_address())
+
+
+def active() -> bool:
+    """Whether this process runs as one of several (``jax.distributed`` is or will be joined)."""
+    return _initialized or launch() is not None
+
+
+def local_rank() -> int:
+    """This process's device index on its host (0 when it runs alone)."""
+    info = launch()
+    return info.local_rank if info else 0
+
+
+def local_world_size() -> int:
+    info = launch()
+    return info.local_world_size if info else 1
+
+
+def launch_env(local_rank: int, local_world_size: int, platform: str | None = None) -> dict[str, str]:
+    """The environment one process of a ``local_world_size``-process launch on a host needs so
+    that it owns exactly one device (``local_rank``), before JAX starts.
+
+    * TPU: libtpu's chip-visibility variables (each process sees one chip; the processes of the
+      host find each other through ``TPU_PROCESS_ADDRESSES``);
+    * GPU: nothing here (``initialize`` passes ``local_device_ids``), unless
+      ``CUDA_VISIBLE_DEVICES`` is already set by the user;
+    * CPU: nothing (each process has one host device).
+    """
+    platform = platform or _guess_platform()
+    if platform != "tpu" or local_world_size <= 1:
+        return {}
+    base_port = 8476
+    return {
+        "TPU_VISIBLE_CHIPS": str(local_rank),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": f"{local_world_size},1,1",
+        "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{base_port + i}" for i in range(local_world_size)),
+        "TPU_PROCESS_PORT": str(base_port + local_rank),
+        "CLOUD_TPU_TASK_ID": str(local_rank),
+    }
+
+
+def _guess_platform() -> str:
+    if config.platform:
+        return config.platform
+    import importlib.util
+
+    return "tpu" if importlib.util.find_spec("libtpu") is not None else "other"
+
+
+def initialize() -> Launch | None:
+    """Join ``jax.distributed`` for this process's launch (once; before any other JAX call).
+
+    Returns the launch, or None when this process runs alone.
+    """
+    global _initialized
+    info = launch()
+    if info is None or _initialized:
+        return info
+    for name, value in launch_env(info.local_rank, info.local_world_size).items():
+        os.environ.setdefault(name, value)
+    import jax
+
+    kwargs = {}
+    if _guess_platform() not in ("tpu", "cpu") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        kwargs["local_device_ids"] = [info.local_rank]
+    try:
+        jax.distributed.initialize(coordinator_address=info.coordinator, num_processes=info.world_size,
+                                   process_id=info.rank, initialization_timeout=config.distributed_timeout,
+                                   **kwargs)
+    except RuntimeError as exc:
+        if "before any JAX" in str(exc) or "must be called before" in str(exc):
+            raise RuntimeError(
+                "tpu: jax.distributed must start before any other JAX call, but JAX was already used "
+                "in this process. Under torchrun, let torchtpu start first (do not call JAX before the "
+                "first tpu op), or set TORCHTPU_DISTRIBUTED=0 to run each process alone.") from exc
+        raise RuntimeError(
+            f"tpu: could not join the {info.world_size}-process runtime as rank {info.rank} through the "
+            f"coordinator {info.coordinator} ({exc}). Check that every rank was launched and that the "
+            f"port is free (TORCHTPU_COORDINATOR=host:port chooses another)") from exc
+    _initialized = True
+    return info

@@ -1,0 +1,44 @@
+"""Run under torchrun with 2 processes: a collective the ranks disagree on must raise an error
+that names the op, the group and the ranks within the group's timeout, never hang.
+
+    torchrun --standalone --nproc-per-node 2 tests/distributed/errors.py {shape|absent|dead}
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+case = sys.argv[1]
+dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=5))
+rank = dist.get_rank()
+dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
+ok = torch.ones(3, device=dev)
+dist.all_reduce(ok)  # the group works
+assert ok.cpu().tolist() == [2.0] * 3
+start = time.monotonic()
+try:
+    if case == "shape":  # the ranks disagree on the shape
+        dist.all_reduce(torch.ones(4 if rank == 0 else 8, device=dev))
+    elif case == "absent":  # rank 1 never calls the collective
+        if rank == 0:
+            dist.all_gather_into_tensor(torch.empty(6, device=dev), torch.ones(3, device=dev))
+        else:
+            time.sleep(20)
+    elif case == "dead":  # rank 1 dies after a collective both ran once
+        x = torch.ones(5, device=dev)
+        dist.all_reduce(x)
+        if rank == 1:
+            os._exit(3)
+        time.sleep(1)
+        dist.all_reduce(x)
+        x.cpu()
+except RuntimeError as exc:
+    print(f"rank {rank} raised after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+    sys.exit(7)
+print(f"rank {rank} finished without an error", flush=True)

@@ -1,0 +1,106 @@
+"""torch.distributed on tpu: the c10d backend under torchrun (2 and 4 processes on XLA:CPU),
+its errors, and the multi-process start-up.
+
+The multi-process tests launch ``torchrun --standalone`` on localhost with short timeouts; the
+whole process group is killed when one overruns, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "distributed"
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None):
+    """Run ``script`` under torchrun; returns (exit code, output). Kills the group on timeout."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(WORKERS / script), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} on {nproc} processes did not finish within {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_collective_matches_gloo(nproc):
+    code, out = torchrun("collectives.py", nproc)
+    assert code == 0 and "all collectives passed" in out, out[-6000:]
+
+
+@pytest.mark.parametrize("case", ["shape", "absent", "dead"])
+def test_disagreeing_ranks_raise_within_the_timeout(case):
+    code, out = torchrun("errors.py", 2, case, timeout=90)
+    assert code != 0, out[-3000:]
+    assert "rank 0 finished without an error" not in out
+    if case == "shape":  # both ranks see the mismatch at the check
+        assert "called different collectives" in out or "did not call a matching collective" in out, out[-3000:]
+        assert "all_reduce" in out and "global ranks [0, 1]" in out, out[-3000:]
+    elif case == "absent":
+        assert "all_gather_into_tensor" in out and "did not call a matching collective" in out, out[-3000:]
+        assert "group ranks [1]" in out, out[-3000:]
+    else:  # the survivor errors: gloo sees the closed connection, or jax.distributed the dead
+        # task, or our watchdog the collective that never completes; whichever comes first
+        assert any(sign in out for sign in ("Connection closed by peer", "another task died", "watchdog")), \
+            out[-3000:]
+
+
+def test_single_process_group_without_a_launcher():
+    """world_size 1: no jax.distributed needed; every collective is the identity."""
+    store = dist.HashStore()
+    dist.init_process_group("tpu", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        x = torch.arange(4.0, device="tpu")
+        dist.all_reduce(x)
+        out = torch.empty(4, device="tpu")
+        dist.all_gather_into_tensor(out, x)
+        dist.broadcast(x, src=0)
+        assert out.cpu().tolist() == x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert dist.get_backend() == "tpu"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_names_registered_for_tpu():
+    assert "tpu" in dist.Backend.backend_list and "tpu_dist" in dist.Backend.backend_list
+    assert dist.Backend.default_device_backend_map["tpu"] == "tpu"
+
+
+def test_launch_environment(monkeypatch):
+    from torchtpu.runtime import multiprocess
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert multiprocess.launch() is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    info = multiprocess.launch()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+    assert info.coordinator == "10.0.0.2:29501"
+    monkeypatch.setenv("TORCHTPU_COORDINATOR", "host0:1234")
+    from torchtpu.config import config
+
+    monkeypatch.setattr(config, "coordinator", "host0:1234")
+    assert multiprocess.launch().coordinator == "host0:1234"
+    env = multiprocess.launch_env(1, 4, platform="tpu")
+    assert env["TPU_VISIBLE_CHIPS"] == "1" and env["TPU_PROCESS_BOUNDS"] == "4,1,1"
+    assert multiprocess.launch_env(1, 4, platform="cpu") == {}
