@@ -26,6 +26,7 @@
 #include <torch/csrc/Storage.h>  // THPStorage_Wrap: a storage's Python object, with its jax.Array
 
 #include <cstring>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -320,24 +321,48 @@ TpuAllocator& device_allocator() {  // leaked on purpose, as the pinned allocato
 }
 
 // ---------------------------------------------------------------------------------------------
-// The device guard: what the Python guard (torch._C._acc.DeviceGuard) does, which is nothing
-// (one device as far as guards go, one default stream, no events), plus synchronizeDevice, which
-// it cannot do and torch.accelerator.synchronize() needs.
+// The device guard. It holds the current device of each thread, the one torch.tpu.set_device sets
+// and PyTorch reads wherever a tpu device has no index (`.to("tpu")`, factories, autograd's
+// worker threads, `with torch.device(...)`): Python's torch.tpu.current_device reads the same
+// value through current_device() below, so there is one current device, as for CUDA. A thread
+// that never set one uses the process default: tpu:0, or under torchrun tpu:LOCAL_RANK
+// (set_device_layout). One default stream, no events (XLA orders work itself), and
+// synchronizeDevice, which the Python guard cannot do and torch.accelerator.synchronize() needs.
 // ---------------------------------------------------------------------------------------------
+thread_local int tls_device = -1;       // -1: this thread has not chosen; use the default
+std::atomic<int> g_default_device{0};   // the process's device (LOCAL_RANK under torchrun)
+std::atomic<int> g_device_count{1};     // what torch.tpu.device_count() says
+
+int current_device() {
+  return tls_device >= 0 ? tls_device : g_default_device.load(std::memory_order_relaxed);
+}
+
 struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   static constexpr auto kType = c10::DeviceType::PrivateUse1;
 
   c10::DeviceType type() const override { return kType; }
-  c10::Device exchangeDevice(c10::Device /*device*/) const override { return getDevice(); }
-  c10::Device getDevice() const override { return c10::Device(kType, 0); }
-  void setDevice(c10::Device /*device*/) const override {}
-  void uncheckedSetDevice(c10::Device /*device*/) const noexcept override {}
-  c10::Stream getStream(c10::Device /*device*/) const noexcept override { return stream(); }
-  c10::Stream getNewStream(c10::Device /*device*/, int /*priority*/) const override {
-    return stream();
+  c10::Device exchangeDevice(c10::Device device) const override {
+    auto old = getDevice();
+    if (device.index() >= 0) tls_device = device.index();
+    return old;
   }
-  c10::Stream exchangeStream(c10::Stream /*stream*/) const noexcept override { return stream(); }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  c10::Device getDevice() const override {
+    return c10::Device(kType, static_cast<c10::DeviceIndex>(current_device()));
+  }
+  void setDevice(c10::Device device) const override {
+    if (device.index() >= 0) tls_device = device.index();
+  }
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    if (device.index() >= 0) tls_device = device.index();
+  }
+  c10::Stream getStream(c10::Device device) const noexcept override { return stream(device); }
+  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
+    return stream(device);
+  }
+  c10::Stream exchangeStream(c10::Stream stream) const noexcept override { return stream; }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(g_device_count.load(std::memory_order_relaxed));
+  }
   void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*index*/,
               const c10::EventFlag /*flag*/) const override {}
   void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
@@ -353,7 +378,9 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   }
 
  private:
-  c10::Stream stream() const { return c10::Stream(c10::Stream::DEFAULT, getDevice()); }
+  static c10::Stream stream(c10::Device device) {
+    return c10::Stream(c10::Stream::DEFAULT, device.index() >= 0 ? device : c10::Device(kType, 0));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -467,6 +494,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "register_hooks(callbacks) -> None: register the C++ PrivateUse1 hooks, device allocator "
         "and guard (once per process); `callbacks` answers what needs Python "
         "(torchtpu.device.hooks)");
+  m.def("current_device", &current_device,
+        "current_device() -> int: this thread's current tpu device (the guard's)");
+  m.def("set_current_device", [](int index) { tls_device = index; }, py::arg("index"),
+        "set_current_device(index) -> None: this thread's current tpu device");
+  m.def("set_device_layout", [](int default_device, int count) {
+          g_default_device = default_device;
+          g_device_count = count;
+        }, py::arg("default_device"), py::arg("count"),
+        "set_device_layout(default_device, count) -> None: the device of threads that chose none, "
+        "and the device count the guard reports");
   m.def("pinned_bytes", [] { return pinned_allocator().bytes(); },
         "pinned_bytes() -> int: bytes of pinned host memory now allocated");
 }

@@ -79,6 +79,7 @@ def _register_hooks() -> bool:
     from torchtpu.runtime import native
 
     if native.register_hooks(hooks):
+        state.sync_guard()
         return True
     warnings.warn(f"torchtpu: the C++ device hooks are unavailable ({native.unavailable_reason()}); "
                   "pin_memory(), pinned DataLoaders, torch.Generator('tpu'), UntypedStorage.resize_ "

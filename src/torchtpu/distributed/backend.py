@@ -18,6 +18,7 @@ Guards (see ``docs/design.md``, "Distributed"):
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
@@ -78,26 +79,41 @@ def _done(result) -> "torch._C._distributed_c10d.Work":
 
 
 class _Watchdog:
-    """Ends the process when a queued collective outlives its group's timeout (see module doc)."""
+    """Ends the process when a queued collective outlives its group's timeout (see module doc).
+
+    Its thread runs only while collectives are pending, and is stopped before the interpreter
+    shuts down (a daemon thread inside a JAX call at exit aborts the process)."""
 
     def __init__(self) -> None:
         self._pending: list[tuple[float, list, str]] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopping = False
+        atexit.register(self.stop)
 
     def track(self, timeout_s: float, arrays: list, what: str) -> None:
         with self._lock:
             self._pending.append((time.monotonic() + timeout_s, arrays, what))
-            if self._thread is None:
+            if self._thread is None and not self._stopping:
                 self._thread = threading.Thread(target=self._run, name="torchtpu-collective-watchdog", daemon=True)
                 self._thread.start()
 
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=1.0)
+
     def _run(self) -> None:
         while True:
-            time.sleep(0.2)
+            time.sleep(0.1)
             now = time.monotonic()
             with self._lock:
                 pending, self._pending = self._pending, []
+                if self._stopping:
+                    self._thread = None
+                    return
             keep, expired = [], None
             for entry in pending:
                 deadline, arrays, what = entry
@@ -109,14 +125,17 @@ class _Watchdog:
                     if now > deadline and expired is None:
                         expired = what
                     keep.append(entry)
-            with self._lock:
-                self._pending = keep + self._pending
             if expired is not None:
                 sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] torchtpu watchdog: {expired} did not "
                                  f"complete within the group's timeout: a rank died, or the ranks called "
                                  f"different collectives. Ending this process, as NCCL's watchdog does.\n")
                 sys.stderr.flush()
                 os._exit(1)
+            with self._lock:
+                self._pending = keep + self._pending
+                if not self._pending:  # nothing in flight: the next collective starts a new thread
+                    self._thread = None
+                    return
 
 
 _watchdog = _Watchdog()

@@ -249,6 +249,12 @@ def registered() -> bool:
     return _registered
 
 
+def guard() -> ModuleType | None:
+    """The extension when its device guard holds the current device (the C++ hooks are
+    registered), else None: ``runtime.state`` keeps the current device itself then."""
+    return _module if _registered else None
+
+
 def pinned_bytes() -> int:
     """Bytes of pinned host memory now allocated by the tpu hooks (0 if the extension is not loaded)."""
     module = _module

@@ -23,6 +23,7 @@ import warnings
 from typing import Any, Callable
 
 from torchtpu.config import config
+from torchtpu.runtime import native
 
 _local = threading.local()
 _lock = threading.RLock()
@@ -88,6 +89,7 @@ def start() -> None:
             for callback in list(_on_start):
                 callback()
             _started = True
+            sync_guard()
         finally:
             _starting = False
 
@@ -174,13 +176,31 @@ def device_count() -> int:
 
 def current_device() -> int:
     """The index of the current ``tpu`` device of this thread: by default ``tpu:0``, or under a
-    multi-process launch this process's own device, ``tpu:LOCAL_RANK``."""
+    multi-process launch this process's own device, ``tpu:LOCAL_RANK``. With the C++ hooks the
+    device guard holds it, so PyTorch (``.to("tpu")``, autograd's threads) sees the same one."""
+    module = native.guard()
+    if module is not None:
+        return module.current_device()
     index = getattr(_local, "index", None)
     if index is None:
         from torchtpu.runtime import multiprocess
 
         index = _local.index = multiprocess.local_rank()
     return index
+
+
+def sync_guard() -> None:
+    """Tell the C++ device guard the process's default device and the device count (at
+    registration, and again once the runtime has started and knows the count)."""
+    module = native.guard()
+    if module is None:
+        return
+    from torchtpu.runtime import multiprocess
+
+    count = _count_without_start() if not _started and not multiprocess.active() else None
+    if count is None:
+        count = device_count() if (_started or multiprocess.active()) else 1
+    module.set_device_layout(multiprocess.local_rank(), count)
 
 
 def device_index(device: Any = None) -> int:
@@ -208,4 +228,7 @@ def check_index(index: int) -> int:
 
 def set_device(device: Any) -> None:
     """Make ``device`` the current ``tpu`` device of this thread."""
-    _local.index = check_index(device_index(device))
+    index = _local.index = check_index(device_index(device))
+    module = native.guard()
+    if module is not None:
+        module.set_current_device(index)
