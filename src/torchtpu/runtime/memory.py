@@ -26,14 +26,24 @@ def pjrt_stats(index: int) -> dict | None:
 
 
 def _live_bytes(index: int) -> tuple[int, int]:
+    """Bytes and count of the live arrays on ``tpu:index`` (for an array spread over several
+    devices, only its shards on this one). Runs at every ``synchronize``: kept cheap."""
     dev = platform.jax_device(index)
+    alone = platform.device_count() == 1  # every single-device array of the platform is on ``dev``
+    single = jax.sharding.SingleDeviceSharding
     total = count = 0
     for array in jax.live_arrays(platform.platform()):
         try:
-            if dev in array.devices():
-                total += array.nbytes
-                count += 1
-        except Exception:
+            sharding = array.sharding
+            if type(sharding) is single:
+                if alone or dev in sharding.device_set:
+                    total += array.size * array.dtype.itemsize
+                    count += 1
+            else:  # an array over a mesh (e.g. a collective's global array): our shards of it
+                mine = [s.data.nbytes for s in array.addressable_shards if s.device == dev]
+                total += sum(mine)
+                count += bool(mine)
+        except Exception:  # deleted (donated) while we looked
             continue
     return total, count
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torchtpu.config import config
 
 _initialized = False
+_joined: Launch | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ def launch() -> Launch | None:
                   coordinator=coordinator_address())
 
 
+def _current() -> Launch | None:
+    """The launch this process joined (fixed once joined), else as the environment says now."""
+    return _joined if _initialized else launch()
+
+
 def active() -> bool:
     """Whether this process runs as one of several (``jax.distributed`` is or will be joined)."""
     return _initialized or launch() is not None
@@ -87,12 +93,12 @@ def active() -> bool:
 
 def local_rank() -> int:
     """This process's device index on its host (0 when it runs alone)."""
-    info = launch()
+    info = _current()
     return info.local_rank if info else 0
 
 
 def local_world_size() -> int:
-    info = launch()
+    info = _current()
     return info.local_world_size if info else 1
 
 
@@ -133,7 +139,7 @@ def initialize() -> Launch | None:
 
     Returns the launch, or None when this process runs alone.
     """
-    global _initialized
+    global _initialized, _joined
     info = launch()
     if info is None or _initialized:
         return info
@@ -158,5 +164,5 @@ def initialize() -> Launch | None:
             f"tpu: could not join the {info.world_size}-process runtime as rank {info.rank} through the "
             f"coordinator {info.coordinator} ({exc}). Check that every rank was launched and that the "
             f"port is free (TORCHTPU_COORDINATOR=host:port chooses another)") from exc
-    _initialized = True
+    _joined, _initialized = info, True
     return info

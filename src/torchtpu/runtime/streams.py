@@ -31,12 +31,17 @@ def synchronize(device: Any = None) -> None:
         callback()
     index = None if device is None else state.device_index(device)
     target = None if index is None else platform.jax_device(index)
-    for array in jax.live_arrays(platform.platform()):
-        try:
-            if target is None or target in array.devices():
+    arrays = jax.live_arrays(platform.platform())
+    if target is not None and platform.device_count() > 1:
+        arrays = [a for a in arrays if target in a.devices()]
+    try:
+        jax.block_until_ready(arrays)  # one batched wait
+    except RuntimeError:  # an array was deleted (donated) while we looked: wait one by one
+        for array in arrays:
+            try:
                 array.block_until_ready()
-        except RuntimeError:  # deleted (donated) while we looked
-            continue
+            except RuntimeError:
+                continue
     memory.record_peak()
 
 
