@@ -70,8 +70,9 @@ def info_lines() -> list[str]:
     lines = [f"torchtpu {torchtpu.__version__}",
              f"platform: {platform.platform()} (PJRT)",
              f"devices: {torch.tpu.device_count()}"]
-    for i in range(torch.tpu.device_count()):
+    for i in platform.local_indices():
         lines.append(f"  tpu:{i}  {torch.tpu.get_device_name(i)}  [{platform.jax_device(i)}]")
+    lines += distributed_lines()
     lines += [
         "versions:",
         f"  python   {host.python_version()}",
@@ -84,6 +85,23 @@ def info_lines() -> list[str]:
         f"cache directory: {_cache_line(config.cache_dir)}",
     ]
     return lines
+
+
+def distributed_lines() -> list[str]:
+    """This process's place in a multi-process launch: rank, world size, coordinator, mesh."""
+    from torchtpu.runtime import multiprocess
+
+    info = multiprocess.launch()
+    if info is None:
+        return ["distributed: single process (no WORLD_SIZE > 1 launch)"]
+    import jax
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return [f"distributed: rank {info.rank} of {info.world_size} (local rank {info.local_rank} of "
+            f"{info.local_world_size}), jax.distributed coordinator {info.coordinator}",
+            f"  mesh: {len(devices)} devices in {jax.process_count()} processes: "
+            + ", ".join(f"rank {d.process_index}: {d}" for d in devices[:16])
+            + (" ..." if len(devices) > 16 else "")]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
