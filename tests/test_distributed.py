@@ -43,7 +43,12 @@ def test_every_collective_matches_gloo(nproc):
     assert code == 0 and "all collectives passed" in out, out[-6000:]
 
 
-@pytest.mark.parametrize("case", ["shape", "absent", "dead"])
+def test_default_backend_and_object_collectives():
+    code, out = torchrun("default_backend.py", 2, timeout=120)
+    assert code == 0 and "rank 0 ok" in out and "rank 1 ok" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("case", ["shape", "absent", pytest.param("dead", marks=pytest.mark.slow)])
 def test_disagreeing_ranks_raise_within_the_timeout(case):
     code, out = torchrun("errors.py", 2, case, timeout=90)
     assert code != 0, out[-3000:]
@@ -60,10 +65,11 @@ def test_disagreeing_ranks_raise_within_the_timeout(case):
             out[-3000:]
 
 
-def test_single_process_group_without_a_launcher():
+@pytest.mark.parametrize("name", ["tpu", "tpu_dist"])
+def test_single_process_group_without_a_launcher(name):
     """world_size 1: no jax.distributed needed; every collective is the identity."""
     store = dist.HashStore()
-    dist.init_process_group("tpu", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(name, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     try:
         x = torch.arange(4.0, device="tpu")
         dist.all_reduce(x)
@@ -71,7 +77,7 @@ def test_single_process_group_without_a_launcher():
         dist.all_gather_into_tensor(out, x)
         dist.broadcast(x, src=0)
         assert out.cpu().tolist() == x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
-        assert dist.get_backend() == "tpu"
+        assert dist.get_backend() == name
     finally:
         dist.destroy_process_group()
 
