@@ -216,6 +216,22 @@ def test_copy_ops(op, args):
     check(lambda *a: op(*a), *args)
 
 
+def test_copy_ops_into_a_list_out():
+    """``split_with_sizes_copy(..., out=[...])`` as FSDP2 unpacks an all-gather: the outs are
+    strided views into other tensors; the op writes them and returns None."""
+    def run(device):
+        x = torch.arange(24.0).view(2, 12).to(device)
+        a, b = torch.zeros(2, 8, device=device), torch.zeros(8, 2, device=device)
+        assert torch.split_with_sizes_copy(x, [4, 8], dim=1, out=[a[:, 2:6], b.t()]) is None
+        torch.unbind_copy(x.view(2, 2, 6)[:, 0, :2], 0, out=[a[0, :2], a[1, 6:]])
+        return a.cpu(), b.cpu()
+
+    for got, want in zip(run("tpu"), run("cpu")):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="out= argument of size 2"):
+        torch.split_with_sizes_copy(torch.zeros(4, device="tpu"), [2, 2], out=[torch.zeros(2, device="tpu")])
+
+
 def _jnp(a):
     return jnp.asarray(a.numpy()) if isinstance(a, torch.Tensor) else a
 

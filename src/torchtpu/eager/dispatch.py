@@ -565,6 +565,16 @@ class OutKernel:
         outs = [kwargs.pop(name) for name in self.out_names]
         _, result = self.functional.run(args, kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
+        if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # Tensor[] out= (split_with_sizes_copy)
+            if len(outs[0]) != len(results):
+                raise RuntimeError(f"{self.functional.name}: expected an out= argument of size {len(results)}, "
+                                   f"got size {len(outs[0])}")
+            self._write(outs[0], results)
+            return None  # these overloads return nothing
+        self._write(outs, results)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _write(self, outs, results) -> None:
         for out, value in zip(outs, results):
             if out.device.type != "tpu":
                 raise device_mismatch(torch.device("tpu", 0), out.device)
@@ -572,7 +582,6 @@ class OutKernel:
             if tuple(out.shape) != tuple(value.shape):
                 resize(out, value.shape)
             bridge.write(out, value)
-        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def resize(t: torch.Tensor, shape) -> None:
