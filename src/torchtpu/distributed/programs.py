@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.array import ArrayImpl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = "ranks"
@@ -73,6 +74,48 @@ def run(key: tuple, ranks: tuple[int, ...], make_body, arrays: list[jax.Array], 
     inputs = [jax.make_array_from_single_device_arrays((a.shape[0] * n, *a.shape[1:]), sharding, [a])
               for a in arrays]
     return [out.addressable_shards[0].data for out in fn(*inputs)]
+
+
+# ---------------------------------------------------------------- whole programs over a group's mesh
+# A compiled graph with collectives is one program over the mesh (compile/collectives.py); these
+# say how each process's arrays are its shards of that program's global arrays.
+
+def spec(ndim: int) -> PartitionSpec:
+    """How an ``ndim``-dimensional per-process array is its shard of a group-wide array: along
+    dimension 0, as in ``run``; a 0-d array has no dimension to split, so it is declared
+    replicated (``P()``) and each device keeps its own value (the programs run with
+    ``check_vma=False``, so nothing assumes the ranks' values equal)."""
+    return _SPEC if ndim else PartitionSpec()
+
+
+def sharding(ranks: tuple[int, ...], ndim: int) -> NamedSharding:
+    """The sharding of a group-wide array made of ``ndim``-dimensional per-process shards."""
+    return _sharding(ranks, ndim > 0)
+
+
+@functools.cache
+def _sharding(ranks: tuple[int, ...], split: bool) -> NamedSharding:
+    return NamedSharding(mesh(ranks), _SPEC if split else PartitionSpec())
+
+
+def global_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The group-wide shape of per-process shards of ``shape`` over ``n`` ranks (see ``spec``)."""
+    return (shape[0] * n, *shape[1:]) if shape else ()
+
+
+def assembler(shape: tuple[int, ...], dtype, ranks: tuple[int, ...]):
+    """A function that takes this process's array of ``shape`` and ``dtype`` (on its device of
+    ``mesh(ranks)``) and returns it as its shard of the group-wide array, without a copy. Built
+    once per program input, it is called per run, so it builds the array directly: about 4 us,
+    against 10 for ``make_array_from_single_device_arrays``, whose checks the caller makes once."""
+    aval = jax.core.ShapedArray(global_shape(shape, len(ranks)), dtype)
+    the_sharding = sharding(ranks, len(shape))
+    return lambda array: ArrayImpl(aval, the_sharding, [array], committed=True, _skip_checks=True)
+
+
+def local_shard(array: jax.Array) -> jax.Array:
+    """This process's shard of a group-wide array (its only addressable one)."""
+    return array.addressable_data(0)
 
 
 @functools.cache
@@ -192,6 +235,23 @@ def all_to_all():
     """Input: n equal blocks along dimension 0, block j for rank j; output: block i from rank i."""
     def make(n):
         return lambda x: (lax.all_to_all(x, AXIS, 0, 0, tiled=True),)
+    return make
+
+
+def all_to_all_uneven(in_splits: tuple[int, ...], out_splits: tuple[int, ...], block: int):
+    """``all_to_all_single`` with uneven splits: rows ``in_splits[j]`` of the input go to rank j and
+    ``out_splits[i]`` rows arrive from rank i. Every block is padded to ``block`` rows (which
+    must be the same on every rank: at least the largest split of any rank), exchanged evenly,
+    and the received blocks' real rows kept."""
+    starts = [sum(in_splits[:j]) for j in range(len(in_splits))]
+
+    def make(n):
+        def body(x):
+            pad = [(0, 0)] * (x.ndim - 1)
+            padded = jnp.concatenate([jnp.pad(x[s:s + k], [(0, block - k)] + pad) for s, k in zip(starts, in_splits)])
+            received = lax.all_to_all(padded, AXIS, 0, 0, tiled=True)
+            return (jnp.concatenate([received[i * block:i * block + k] for i, k in enumerate(out_splits)]),)
+        return body
     return make
 
 
