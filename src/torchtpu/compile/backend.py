@@ -3,7 +3,9 @@
 aot_autograd traces the graph to core aten (forward and backward split by the min-cut
 partitioner, which recomputes cheap ops instead of saving them), functionalised, with inference
 graphs' input mutations kept as ``copy_`` epilogues so they run inside the XLA program.
-Each resulting graph becomes a ``CompiledGraph``.
+Each resulting graph becomes a ``CompiledGraph`` (one program; with collectives, one program
+over their group's devices), or, when its collectives use several groups, a ``PiecewiseGraph``
+of one ``CompiledGraph`` per consecutive piece of one group (``collectives.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
-from torchtpu.compile import graph as graph_lowering
+from torchtpu.compile import collectives, graph as graph_lowering
 from torchtpu.compile.cache import compiler_options
-from torchtpu.compile.executable import CompiledGraph
+from torchtpu.compile.executable import CompiledGraph, PiecewiseGraph
 from torchtpu.ops import registry
 
 # torch.compile's ``mode`` tunes Inductor; XLA has no equivalent, so they are accepted and ignored.
@@ -50,7 +52,8 @@ def decompositions() -> dict:
 
 def _compiler(kind: str, options: dict[str, Any]) -> Callable:
     def compile_graph(gm: GraphModule, example_inputs) -> Callable:
-        graph = CompiledGraph(gm, kind, options)
+        several_groups = len(collectives.groups(gm)) > 1  # collectives of several groups: one program each
+        graph = (PiecewiseGraph if several_groups else CompiledGraph)(gm, kind, options)
 
         def run(args: list) -> list:
             return graph(args)

@@ -5,6 +5,10 @@ signature (shapes, dtypes, devices, static scalars, donations), runs it, writes 
 mutated inputs back into their tensors and wraps the outputs as ``tpu`` tensors. A mutated input
 that owns its storage, and whose array nothing else holds, is donated to XLA, so optimizer steps
 update parameters in place instead of doubling memory.
+
+A graph with collectives (of one group: ``collectives.py``) is a ``shard_map`` program over the
+group's mesh: its arrays go in as this process's shards of group-wide arrays and come out as
+this process's shards. A graph without collectives is a plain ``jax.jit`` of its function.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import numpy as np
 import torch
 from torch.fx import GraphModule, Node
 
-from torchtpu.compile import cache
+from torchtpu.compile import cache, collectives
 from torchtpu.compile.graph import GraphFunction, base_key
+from torchtpu.distributed import programs
 from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
@@ -46,6 +51,7 @@ class _Output:
     tensor: bool
     device: torch.device | None = None
     dtype: Any = None
+    ndim: int = 0
 
 
 def _output_kinds(output: Node) -> list[_Output]:
@@ -53,7 +59,7 @@ def _output_kinds(output: Node) -> list[_Output]:
     for arg in output.args[0]:
         val = arg.meta.get("val") if isinstance(arg, Node) else None
         if isinstance(val, torch.Tensor):
-            kinds.append(_Output(True, val.device, to_jax_dtype(val.dtype)))
+            kinds.append(_Output(True, val.device, to_jax_dtype(val.dtype), val.dim()))
         else:
             kinds.append(_Output(False))
     return kinds
@@ -68,6 +74,7 @@ class _Executable:
         self.statics = statics
         self.ninputs = ninputs
         self.static_outputs: dict[int, Any] = {}
+        self.index = index
         nkey = len(key_args)
 
         def run(*flat):
@@ -81,10 +88,41 @@ class _Executable:
         donate_argnums = tuple(nkey + i for i in donate)
         start = time.perf_counter()
         with placement.default(index):
-            lowered = jax.jit(run, donate_argnums=donate_argnums).lower(*key_args, *arrays)
+            if graph.ranks is None:
+                lowered = jax.jit(run, donate_argnums=donate_argnums).lower(*key_args, *arrays)
+            else:
+                lowered = self._lower_spmd(run, donate_argnums, key_args, arrays)
         cache.count("trace_seconds", time.perf_counter() - start)
         _dump(lowered, graph.name)
         self.compiled = cache.compile_lowered(lowered, graph.options, graph.name)
+
+    def _lower_spmd(self, run, donate_argnums, key_args, arrays):
+        """``run`` as a ``shard_map`` program over the graph's group, every input and output a
+        per-process shard (``programs.spec``)."""
+        ranks, graph = self.graph.ranks, self.graph
+        inputs = [*(np.asarray(k) for k in key_args), *arrays]
+        mine = programs.device_of_rank(graph.rank)
+        if placement.sharding(self.index).device_set != {mine}:
+            raise RuntimeError(f"tpu: compiled graph {graph.name} runs collectives over global ranks {list(ranks)}; "
+                               f"its inputs must be on this process's device of that group ({mine}), not on "
+                               f"tpu:{self.index}")
+        self.assemble = [programs.assembler(a.shape, a.dtype, ranks) for a in inputs]
+        position = _array_positions(self.statics, self.ninputs)
+        mutated = [arrays[position[i]].ndim for i in graph.fn.mutated]
+        out_specs = ([programs.spec(k.ndim) for k in graph.outputs if k.tensor], [programs.spec(d) for d in mutated])
+        body = jax.shard_map(run, mesh=programs.mesh(ranks), in_specs=tuple(programs.spec(a.ndim) for a in inputs),
+                             out_specs=out_specs, check_vma=False)
+        shapes = [jax.ShapeDtypeStruct(programs.global_shape(a.shape, len(ranks)), a.dtype,
+                                       sharding=programs.sharding(ranks, a.ndim)) for a in inputs]
+        return jax.jit(body, donate_argnums=donate_argnums).lower(*shapes)
+
+    def run_spmd(self, key_args: tuple, arrays: list):
+        """Run the group's program on this process's arrays; returns this process's shards of
+        (outputs, new values of the mutated inputs)."""
+        if key_args:
+            arrays = [placement.put(np.asarray(k), self.index) for k in key_args] + arrays
+        outputs, mutations = self.compiled(*(assemble(a) for assemble, a in zip(self.assemble, arrays)))
+        return [programs.local_shard(o) for o in outputs], [programs.local_shard(m) for m in mutations]
 
     def _split_outputs(self, outputs: list) -> list:
         arrays = []
@@ -114,13 +152,25 @@ class CompiledGraph:
         self.outputs = _output_kinds(self.fn.output)
         self.executables: dict[tuple, _Executable] = {}
         self.mutated = set(self.fn.mutated)
+        # With collectives: the global ranks of their one group (a graph of several groups is
+        # split into pieces first, in backend.py).
+        self.ranks: tuple[int, ...] | None = None
+        if self.fn.groups:
+            if len(self.fn.groups) > 1:
+                raise ValueError(f"tpu: graph {self.name} has collectives over several groups; split it first")
+            self.ranks = self.fn.groups[0]
+            self.rank = collectives.check_member(self.ranks, f"compiled graph {self.name}")
+            collectives.counts["one_program"] += 1
         cache.track(self)
 
     def __call__(self, args: list) -> list:
         arrays, signature, statics, donate, index = self._read(args)
         key_args = tuple(rng.next_key_args(index)) if self.fn.random_ops else ()
         executable = self._lookup(signature, statics, donate, arrays, key_args, index)
-        outputs, mutations = executable.compiled(*key_args, *arrays)
+        if self.ranks is None:
+            outputs, mutations = executable.compiled(*key_args, *arrays)
+        else:
+            outputs, mutations = executable.run_spmd(key_args, arrays)
         del arrays
         if donate:
             cache.count("donated_buffers", len(donate))
@@ -184,6 +234,43 @@ class CompiledGraph:
             else:
                 result.append(torch.from_numpy(np.array(next(it))))
         return result
+
+
+class PiecewiseGraph:
+    """A graph whose collectives use several groups, run as its pieces' compiled graphs in
+    order (``collectives.split``), each piece one program over one group's mesh."""
+
+    def __init__(self, gm: GraphModule, kind: str, options: dict[str, Any]):
+        pieces = collectives.split(gm)
+        self.pieces = [(CompiledGraph(p.gm, kind, options), p.inputs, p.outputs) for p in pieces]
+        self.name = ", ".join(graph.name for graph, _, _ in self.pieces)
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        last_use = {}  # node -> the piece after which nothing needs its value
+        for i, (_, inputs, _) in enumerate(self.pieces):
+            last_use.update({n: i for n in inputs})
+        self.drop = [[n for n, last in last_use.items() if last == i and n not in self.output.all_input_nodes]
+                     for i in range(len(self.pieces))]
+        collectives.note_split(self.name, collectives.groups(gm), len(self.pieces))
+
+    def __call__(self, args: list) -> list:
+        env = dict(zip(self.placeholders, args))
+        args.clear()  # boxed convention: the inputs are ours to free
+        for (graph, inputs, outputs), drop in zip(self.pieces, self.drop):
+            env.update(zip(outputs, graph([env[n] for n in inputs])))
+            for n in drop:
+                del env[n]
+        return list(torch.fx.node.map_aggregate(self.output.args[0], lambda a: env[a] if isinstance(a, Node) else a))
+
+
+def _array_positions(statics: dict[int, Any], ninputs: int) -> dict[int, int]:
+    """Input position -> position among the call's arrays (static inputs have none)."""
+    positions, n = {}, 0
+    for i in range(ninputs):
+        if i not in statics:
+            positions[i] = n
+            n += 1
+    return positions
 
 
 def _write_back(t: torch.Tensor, value) -> None:

@@ -20,6 +20,7 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
+from torchtpu.compile import collectives
 from torchtpu.ops import registry
 from torchtpu.runtime import platform, rng
 
@@ -27,6 +28,8 @@ aten = torch.ops.aten
 
 
 def has_lowering(op: OpOverload) -> bool:
+    if collectives.is_collective(op):
+        return collectives.supported(op)
     low = registry.for_graph(op)
     return low is not None and not low.mutates
 
@@ -62,6 +65,8 @@ def _resolve(node: Node, random_count: int) -> _Step:
         return _Step(node, _with_effects)
     if not isinstance(target, OpOverload):
         return _Step(node, target)
+    if collectives.is_collective(target):
+        return _Step(node, collectives.lowering(node))
     low = registry.for_graph(target)
     if low is None:
         raise MissingLowering(str(target))
@@ -81,6 +86,7 @@ class GraphFunction:
     mutated: list[int] = field(default_factory=list)  # placeholder index of each input mutation
     random_ops: int = 0
     output: Node | None = None
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # global ranks of its collectives' groups
 
     def __post_init__(self) -> None:
         missing = sorted({str(n.target) for n in self.gm.graph.nodes
@@ -90,6 +96,7 @@ class GraphFunction:
                 f"tpu: this torch.compile graph uses ops with no lowering and no decomposition: "
                 f"{', '.join(missing)}. Run the function without torch.compile (eager falls back to the "
                 f"CPU for them), and please report it.")
+        self.groups = collectives.groups(self.gm)
         index = {}
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":

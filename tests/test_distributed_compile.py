@@ -1,0 +1,68 @@
+"""``_c10d_functional`` collectives inside ``torch.compile(backend="tpu")`` graphs: lowered to XLA
+collectives in the graph's own program (``compile/collectives.py``).
+
+The multi-process cases run ``tests/distributed/compiled.py`` under torchrun (see its docstring);
+a world of one process runs here, in the test process.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from test_distributed import torchrun
+
+
+def test_funcol_collectives_in_one_program_match_gloo():
+    """Every funcol collective, a subgroup of some ranks, two groups in one graph, a compiled
+    data-parallel backward (2 processes)."""
+    code, out = torchrun("compiled.py", 2, "funcol", timeout=180)
+    assert code == 0 and "ok funcol" in out, out[-6000:]
+
+
+def test_tensor_parallel_block_is_one_program_per_step():
+    """ColwiseParallel/RowwiseParallel block, compiled: matches CPU forward and backward; one forward
+    and one backward program, compiled in the first step only; no graph break (2 processes)."""
+    code, out = torchrun("compiled.py", 2, "tp", timeout=180)
+    assert code == 0 and "ok tp" in out, out[-6000:]
+
+
+@pytest.mark.slow
+def test_four_processes_subgroups_and_a_2d_mesh():
+    code, out = torchrun("compiled.py", 4, "funcol", "mesh2d", timeout=300)
+    assert code == 0 and "ok funcol" in out and "ok mesh2d" in out, out[-6000:]
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    torch._dynamo.reset()
+    try:
+        yield dist.group.WORLD
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def test_world_of_one_process(world_of_one):
+    from torchtpu.compile import collectives
+
+    def f(x):
+        y = funcol.all_reduce(x.sin(), "sum", world_of_one)
+        return funcol.all_gather_tensor(y, 0, world_of_one) + funcol.reduce_scatter_tensor(y, "avg", 0, world_of_one)
+
+    def g(x):
+        return x.sin() * 2
+
+    x = torch.randn(4, 3)
+    before = collectives.counts["one_program"]
+    out = torch.compile(f, backend="tpu", fullgraph=True)(x.to("tpu"))
+    torch.testing.assert_close(out.cpu(), x.sin() * 2)
+    assert collectives.counts["one_program"] == before + 1
+    torch.compile(g, backend="tpu", fullgraph=True)(x.to("tpu"))  # no collectives: a plain program
+    assert collectives.counts["one_program"] == before + 1
