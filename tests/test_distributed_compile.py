@@ -19,9 +19,9 @@ from test_distributed import torchrun
 
 def test_funcol_collectives_in_one_program_match_gloo():
     """Every funcol collective, a subgroup of some ranks, two groups in one graph, a compiled
-    data-parallel backward (2 processes)."""
-    code, out = torchrun("compiled.py", 2, "funcol", timeout=180)
-    assert code == 0 and "ok funcol" in out, out[-6000:]
+    data-parallel backward; ranks that compiled different collectives get an error (2 processes)."""
+    code, out = torchrun("compiled.py", 2, "funcol", "mismatch", timeout=180)
+    assert code == 0 and "ok funcol" in out and "ok mismatch" in out, out[-6000:]
 
 
 def test_tensor_parallel_block_is_one_program_per_step():

@@ -15,6 +15,7 @@ Cases (any of them, in order):
   backward, over several steps: one forward and one backward program, compiled in the first step
   only, no graph breaks, no recompilation.
 * ``mesh2d`` (4 processes): a function with collectives over both dimensions of a 2x2 DeviceMesh.
+* ``mismatch``: ranks that compiled different collectives get an error naming both, not a hang.
 
 Each passing case prints ``ok <case>`` on rank 0; any mismatch raises (the process exits non-zero).
 """
@@ -293,7 +294,24 @@ def check_mesh2d():
     done("mesh2d")
 
 
-CASES = {"funcol": check_funcol, "tp": check_tp, "mesh2d": check_mesh2d}
+# ---------------------------------------------------------------- ranks that disagree
+
+def check_mismatch():
+    """Ranks whose graphs run different collectives get an error naming them, not a hang."""
+    def f(x):
+        return funcol.all_reduce(x if RANK == 0 else x[:2], "sum", WORLD_GROUP)
+
+    try:
+        compiled(f)(*on_tpu(data((4, 3), salt=9)))
+    except Exception as exc:  # noqa: BLE001 - dynamo may wrap it
+        message = str(exc)
+        assert "compiled different collectives" in message and "all_reduce(float32[" in message, message
+    else:
+        raise AssertionError("ranks that compiled different collectives ran without an error")
+    done("mismatch")
+
+
+CASES = {"funcol": check_funcol, "tp": check_tp, "mesh2d": check_mesh2d, "mismatch": check_mismatch}
 tpu_compile.install()
 for case in sys.argv[1:]:
     CASES[case]()

@@ -18,11 +18,13 @@ and logged, with the groups, once per graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -68,11 +70,15 @@ def ranks_of(group_name) -> tuple[int, ...]:
 
 def group_of(node: Node) -> tuple[int, ...] | None:
     """The global ranks of ``node``'s collective (None for ``wait_tensor`` and non-collectives)."""
+    name = _group_name(node)
+    return None if name is None else ranks_of(name)
+
+
+def _group_name(node: Node):
     if not is_collective(node.target) or "group_name" not in _argument_names(node.target):
         return None
     index = _argument_names(node.target).index("group_name")
-    name = node.args[index] if index < len(node.args) else node.kwargs["group_name"]
-    return ranks_of(name)
+    return node.args[index] if index < len(node.args) else node.kwargs["group_name"]
 
 
 @functools.cache
@@ -80,15 +86,15 @@ def _argument_names(op: OpOverload) -> tuple[str, ...]:
     return tuple(a.name for a in op._schema.arguments)
 
 
-def groups(gm: GraphModule) -> list[tuple[int, ...]]:
-    """The groups (global ranks) of ``gm``'s collectives, in order of first use."""
-    found: dict[tuple[int, ...], None] = {}
+def groups(gm: GraphModule) -> dict[tuple[int, ...], str]:
+    """The groups of ``gm``'s collectives, in order of first use: global ranks -> a group name."""
+    found: dict[tuple[int, ...], str] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            ranks = group_of(node)
-            if ranks is not None:
-                found.setdefault(ranks)
-    return list(found)
+            name = _group_name(node)
+            if name is not None:
+                found.setdefault(ranks_of(name), name)
+    return found
 
 
 def check_member(ranks: tuple[int, ...], what: str) -> int:
@@ -101,7 +107,8 @@ def check_member(ranks: tuple[int, ...], what: str) -> int:
 
 
 def lowering(node: Node) -> Callable:
-    """The function a graph step calls with ``node``'s arguments (group size bound)."""
+    """The function a graph step calls with ``node``'s arguments (group size bound); while
+    ``recording()``, each call notes what it runs."""
     ranks = group_of(node)
     fn = _LOWERINGS[node.target]
     if ranks is None:
@@ -110,8 +117,74 @@ def lowering(node: Node) -> Callable:
         outs, ins = node.args[1], node.args[2]
         static = all(isinstance(v, int) for v in (*ins, *outs))
         if static and not _even(ins, outs):
-            return functools.partial(fn, len(ranks), block=agreed_block(ins, node.args[3]))
-    return functools.partial(fn, len(ranks))
+            fn = functools.partial(fn, block=agreed_block(ins, node.args[3]))
+    op = node.target._schema.name.split("::")[1]
+    group_index = _argument_names(node.target).index("group_name")
+
+    def call(*args, **kwargs):
+        calls = _recorded.get()
+        if calls is not None:
+            calls.append(_describe(op, ranks, _shared(op, args[:group_index])))
+        return fn(len(ranks), *args, **kwargs)
+    return call
+
+
+# ---------------------------------------------------------------- the ranks agree on a program's collectives
+
+_recorded: ContextVar[list | None] = ContextVar("torchtpu_compiled_collectives", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[str]]:
+    """Collect, in order, a description of each collective traced in this block."""
+    calls: list[str] = []
+    token = _recorded.set(calls)
+    try:
+        yield calls
+    finally:
+        _recorded.reset(token)
+
+
+def _shared(op: str, args: tuple) -> tuple:
+    """The arguments every rank must pass alike: all, except all_to_all_single's row counts and
+    splits, which differ by rank when uneven (the padded blocks agree: ``agreed_block``)."""
+    if op == "all_to_all_single":
+        x = args[0]
+        return (f"{x.dtype}[*, {', '.join(map(str, x.shape[1:]))}]",)
+    return args
+
+
+def _describe(op: str, ranks, args) -> str:
+    def one(a):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return f"{a.dtype}{list(a.shape)}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(map(one, a)) + "]"
+        return repr(a)
+    return f"{op}({', '.join(map(one, args))}) over {list(ranks)}"
+
+
+def agree(group_name, calls: list[str], what: str) -> None:
+    """Check, when a program is built, that every rank of its group traced the same collectives
+    (or XLA would wait forever for a collective some ranks never run): one small object
+    all-gather over the group; raises a RuntimeError naming the program, the group and the first
+    difference. A rank that never builds the program makes this all-gather time out instead."""
+    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    if dist.get_world_size(pg) == 1:
+        return
+    everyone: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, calls, group=pg)
+    ranks = dist.get_process_group_ranks(pg)
+    for rank, theirs in zip(ranks, everyone):
+        if theirs != calls:
+            me = dist.get_rank()
+            step = next((i for i, (a, b) in enumerate(zip(calls, theirs)) if a != b), min(len(calls), len(theirs)))
+            mine_at = calls[step] if step < len(calls) else "nothing more"
+            theirs_at = theirs[step] if step < len(theirs) else "nothing more"
+            raise RuntimeError(f"tpu: {what}: the ranks of group {ranks} compiled different collectives; collective "
+                               f"{step}: rank {me} runs {mine_at}, rank {rank} runs {theirs_at}. Every rank must "
+                               f"run the same collectives in the same order (a rank-dependent branch around a "
+                               f"collective?)")
 
 
 # ---------------------------------------------------------------- splitting graphs of several groups
@@ -217,7 +290,7 @@ def broadcast(n, x, src, group_name):
 
 
 @_lowering(c10d.all_to_all_single.default)
-def all_to_all_single(n, x, output_split_sizes, input_split_sizes, group_name, block=None):
+def all_to_all_single(n, x, output_split_sizes, input_split_sizes, group_name, *, block=None):
     ins, outs = tuple(map(int, input_split_sizes)), tuple(map(int, output_split_sizes))
     if _even(ins, outs):
         return _run(programs.all_to_all(), n, x)

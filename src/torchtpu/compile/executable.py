@@ -91,7 +91,9 @@ class _Executable:
             if graph.ranks is None:
                 lowered = jax.jit(run, donate_argnums=donate_argnums).lower(*key_args, *arrays)
             else:
-                lowered = self._lower_spmd(run, donate_argnums, key_args, arrays)
+                with collectives.recording() as calls:
+                    lowered = self._lower_spmd(run, donate_argnums, key_args, arrays)
+                collectives.agree(graph.group_name, calls, f"compiled graph {graph.name}")
         cache.count("trace_seconds", time.perf_counter() - start)
         _dump(lowered, graph.name)
         self.compiled = cache.compile_lowered(lowered, graph.options, graph.name)
@@ -158,7 +160,7 @@ class CompiledGraph:
         if self.fn.groups:
             if len(self.fn.groups) > 1:
                 raise ValueError(f"tpu: graph {self.name} has collectives over several groups; split it first")
-            self.ranks = self.fn.groups[0]
+            (self.ranks, self.group_name), = self.fn.groups.items()
             self.rank = collectives.check_member(self.ranks, f"compiled graph {self.name}")
             collectives.counts["one_program"] += 1
         cache.track(self)

@@ -86,7 +86,7 @@ class GraphFunction:
     mutated: list[int] = field(default_factory=list)  # placeholder index of each input mutation
     random_ops: int = 0
     output: Node | None = None
-    groups: list[tuple[int, ...]] = field(default_factory=list)  # global ranks of its collectives' groups
+    groups: dict[tuple[int, ...], str] = field(default_factory=dict)  # its collectives' groups: ranks -> a name
 
     def __post_init__(self) -> None:
         missing = sorted({str(n.target) for n in self.gm.graph.nodes
