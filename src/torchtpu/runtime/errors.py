@@ -7,7 +7,7 @@ import re
 import jax
 import torch
 
-from torchtpu.runtime import memory
+from torchtpu.runtime import memory, platform
 
 _BYTES = re.compile(r"allocat\w*\s+(\d+)\s*bytes")
 
@@ -24,7 +24,7 @@ def out_of_memory(exc: BaseException, device_index: int | None, what: str) -> to
     if device_index is not None:
         try:
             stats = memory.memory_stats(device_index)
-            limit = (memory.pjrt_stats(device_index) or {}).get("bytes_limit")
+            limit = (platform.pjrt_stats(device_index) or {}).get("bytes_limit")
             total = f"{_gib(limit)} total capacity; " if limit else ""
             detail = f" (tpu:{device_index}; {total}{_gib(stats['allocated_bytes.all.current'])} already allocated)"
         except Exception:

@@ -7,7 +7,6 @@ torchtpu's own accounting of live device buffers (``source`` in ``memory_stats``
 from __future__ import annotations
 
 import gc
-import os
 
 import jax
 
@@ -15,14 +14,6 @@ from torchtpu.runtime import platform
 
 _peak: dict[int, int] = {}
 _reserved_peak: dict[int, int] = {}
-
-
-def pjrt_stats(index: int) -> dict | None:
-    """PJRT's allocator statistics for ``tpu:index``, or None where the platform has none."""
-    try:
-        return platform.jax_device(index).memory_stats()
-    except Exception:
-        return None
 
 
 def _live_bytes(index: int) -> tuple[int, int]:
@@ -58,7 +49,7 @@ def memory_stats(index: int) -> dict[str, int]:
     """Allocator statistics of ``tpu:index``, under PyTorch's names (``allocated_bytes.all.current``,
     ...): torch.tpu.memory_stats returns them, and torch.accelerator's memory functions read them
     through the device allocator of the C++ hooks."""
-    stats = pjrt_stats(index)
+    stats = platform.pjrt_stats(index)
     if stats:
         current = int(stats.get("bytes_in_use", 0))
         peak = int(stats.get("peak_bytes_in_use", current))
@@ -95,26 +86,10 @@ def mem_get_info(index: int) -> tuple[int, int]:
     limit if lower) and free is total less the bytes of live tpu buffers, not the host's free
     memory (other programs and this process's CPU tensors are not counted).
     """
-    stats = pjrt_stats(index)
-    if stats and "bytes_limit" in stats:
-        total = int(stats["bytes_limit"])
-        return max(total - int(stats.get("bytes_in_use", 0)), 0), total
-    total = _host_memory()
-    return max(total - _live_bytes(index)[0], 0), total
-
-
-def _host_memory() -> int:
-    """Bytes of memory this process may use: physical memory, or the cgroup's limit if lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                limit = f.read().strip()
-        except OSError:
-            continue
-        if limit.isdigit():
-            total = min(total, int(limit))
-    return total
+    total = platform.total_memory(index)
+    stats = platform.pjrt_stats(index)
+    used = int(stats.get("bytes_in_use", 0)) if stats and "bytes_limit" in stats else _live_bytes(index)[0]
+    return max(total - used, 0), total
 
 
 def empty_cache() -> None:

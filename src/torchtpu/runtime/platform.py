@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import jax
@@ -87,22 +88,49 @@ def device_name(index: int | None = None) -> str:
     return kind if dev.platform == "tpu" else f"{kind} (XLA:{dev.platform.upper()})"
 
 
+def pjrt_stats(index: int) -> dict | None:
+    """PJRT's allocator statistics for ``tpu:index``, or None where the platform has none."""
+    try:
+        return jax_device(index).memory_stats()
+    except Exception:
+        return None
+
+
+def total_memory(index: int) -> int:
+    """Bytes of memory ``tpu:index`` may use: PJRT's limit where reported (GPU, TPU); on XLA:CPU
+    the device's memory is the host's, so the host memory this process may use."""
+    stats = pjrt_stats(index)
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return _host_memory()
+
+
+def _host_memory() -> int:
+    """Bytes of memory this process may use: physical memory, or the cgroup's limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
 @dataclass(frozen=True)
 class DeviceProperties:
     name: str
     platform: str
     device_kind: str
     index: int
-    total_memory: int | None
+    total_memory: int
 
 
 def device_properties(index: int) -> DeviceProperties:
-    """What backs ``tpu:index``: its name, platform, kind and (where PJRT reports it) memory."""
+    """What backs ``tpu:index``: its name, platform, kind and memory (``total_memory``)."""
     dev = jax_device(index)
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:
-        stats = {}
     return DeviceProperties(name=device_name(index), platform=dev.platform,
                             device_kind=getattr(dev, "device_kind", dev.platform), index=index,
-                            total_memory=stats.get("bytes_limit"))
+                            total_memory=total_memory(index))
