@@ -17,14 +17,17 @@
 #include <pybind11/pybind11.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/Dtype.h>    // THPDtype: a torch.dtype's ScalarType
 #include <torch/csrc/Storage.h>  // THPStorage_Wrap: a storage's Python object, with its jax.Array
 
+#include <chrono>
 #include <cstring>
 #include <atomic>
 #include <map>
@@ -44,16 +47,19 @@ namespace {
 // zero-copy) host memory that PyTorch *treats* as pinned: pin_memory() and is_pinned() work,
 // the DataLoader pins batches, and `.to("tpu", non_blocking=True)` sees a pinned source, as on
 // CUDA. Each live allocation is recorded so that isPinnedPtr() can answer for any pointer into
-// it (a view or slice of a pinned tensor is pinned too).
+// it (a view or slice of a pinned tensor is pinned too). It is also the device type's host
+// allocator (at::getHostAllocator), which torch.accelerator.empty_host_cache() calls: without
+// one that call dereferenced a null allocator. Nothing is cached, so there is nothing to empty.
 // ---------------------------------------------------------------------------------------------
-class PinnedAllocator final : public c10::Allocator {
+class PinnedAllocator final : public at::HostAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;  // 64-byte aligned; throws on OOM
     if (ptr) {
       std::lock_guard<std::mutex> lock(mutex_);
       live_.emplace(static_cast<const char*>(ptr), nbytes);
-      bytes_ += nbytes;
+      bytes_.increase(nbytes);
+      count_.increase(1);
     }
     // Pinned memory is host memory: the DataPtr's device is the CPU, as for CUDA's pinned memory.
     return {ptr, ptr, &Delete, c10::Device(c10::DeviceType::CPU)};
@@ -77,7 +83,30 @@ class PinnedAllocator final : public c10::Allocator {
 
   size_t bytes() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return bytes_;
+    return static_cast<size_t>(bytes_.current);
+  }
+
+  // at::HostAllocator: memory is freed as tensors die (no cache, no streams to wait for).
+  bool record_event(void* /*ptr*/, void* /*ctx*/, c10::Stream /*stream*/) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    at::HostStats stats;
+    stats.active_bytes = stats.allocated_bytes = bytes_;
+    stats.active_requests = stats.allocations = count_;
+    stats.num_host_alloc = count_.allocated;
+    stats.num_host_free = count_.freed;
+    return stats;
+  }
+  void reset_accumulated_stats() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_.reset_accumulated();
+    count_.reset_accumulated();
+  }
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_.reset_peak();
+    count_.reset_peak();
   }
 
  private:
@@ -89,7 +118,8 @@ class PinnedAllocator final : public c10::Allocator {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = live_.find(static_cast<const char*>(ptr));
       if (it != live_.end()) {
-        bytes_ -= it->second;
+        bytes_.decrease(it->second);
+        count_.decrease(1);
         live_.erase(it);
       }
     }
@@ -98,7 +128,7 @@ class PinnedAllocator final : public c10::Allocator {
 
   mutable std::mutex mutex_;
   std::map<const char*, size_t> live_;  // start -> size, ordered for the interior lookup
-  size_t bytes_ = 0;
+  c10::CachingAllocator::Stat bytes_, count_;  // live bytes and allocations
 };
 
 // Leaked on purpose: pinned tensors can be freed during interpreter shutdown, after static
@@ -326,8 +356,11 @@ TpuAllocator& device_allocator() {  // leaked on purpose, as the pinned allocato
 // worker threads, `with torch.device(...)`): Python's torch.tpu.current_device reads the same
 // value through current_device() below, so there is one current device, as for CUDA. A thread
 // that never set one uses the process default: tpu:0, or under torchrun tpu:LOCAL_RANK
-// (set_device_layout). One default stream, no events (XLA orders work itself), and
-// synchronizeDevice, which the Python guard cannot do and torch.accelerator.synchronize() needs.
+// (set_device_layout). One in-order stream per device (XLA orders a device's work itself), so
+// waiting for a stream or an event is waiting for the device (synchronizeDevice, which the Python
+// guard cannot do and torch.accelerator.synchronize() needs). An event remembers its device and,
+// recorded with enable_timing, the time its work had finished (the device is waited for then, as
+// torch.tpu.Event does), which elapsedTime subtracts.
 // ---------------------------------------------------------------------------------------------
 thread_local int tls_device = -1;       // -1: this thread has not chosen; use the default
 std::atomic<int> g_default_device{0};   // the process's device (LOCAL_RANK under torchrun)
@@ -337,20 +370,37 @@ int current_device() {
   return tls_device >= 0 ? tls_device : g_default_device.load(std::memory_order_relaxed);
 }
 
+// An index made current (set_device_index, device_index(), DeviceGuard) must exist, as CUDA's
+// guard checks. The count held here can be low before the runtime starts (a TPU host knows its
+// count only then), so an index past it is checked by Python, which may start the runtime.
+void check_device(c10::DeviceIndex index) {
+  if (index < g_device_count.load(std::memory_order_relaxed)) return;
+  with_python("set_device", [&](py::object& callbacks) {
+    callbacks.attr("check_index")(static_cast<int>(index));
+  });
+}
+
+struct TpuEvent {
+  c10::DeviceIndex device = 0;
+  double finished_ms = 0;  // steady-clock milliseconds; timing events only
+};
+
 struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   static constexpr auto kType = c10::DeviceType::PrivateUse1;
 
   c10::DeviceType type() const override { return kType; }
   c10::Device exchangeDevice(c10::Device device) const override {
     auto old = getDevice();
-    if (device.index() >= 0) tls_device = device.index();
+    setDevice(device);
     return old;
   }
   c10::Device getDevice() const override {
     return c10::Device(kType, static_cast<c10::DeviceIndex>(current_device()));
   }
   void setDevice(c10::Device device) const override {
-    if (device.index() >= 0) tls_device = device.index();
+    if (device.index() < 0) return;
+    check_device(device.index());
+    tls_device = device.index();
   }
   void uncheckedSetDevice(c10::Device device) const noexcept override {
     if (device.index() >= 0) tls_device = device.index();
@@ -363,13 +413,56 @@ struct TpuGuard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override {
     return static_cast<c10::DeviceIndex>(g_device_count.load(std::memory_order_relaxed));
   }
-  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*index*/,
-              const c10::EventFlag /*flag*/) const override {}
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex /*index*/,
+              const c10::EventFlag flag) const override {
+    if (*event == nullptr) *event = new TpuEvent();
+    auto* recorded = static_cast<TpuEvent*>(*event);
+    recorded->device = stream.device_index();
+    if (flag == c10::EventFlag::BACKEND_DEFAULT) {  // enable_timing=True
+      synchronizeDevice(recorded->device);
+      recorded->finished_ms = std::chrono::duration<double, std::milli>(
+          std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+  }
   void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
-  bool queryEvent(void* /*event*/) const override { return true; }
-  void destroyEvent(void* /*event*/, const c10::DeviceIndex /*index*/) const noexcept override {}
-  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
-  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+  // Done once waited for: the answer is true, and truthful (a query does not return early).
+  bool queryEvent(void* event) const override {
+    synchronizeEvent(event);
+    return true;
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) synchronizeDevice(static_cast<TpuEvent*>(event)->device);
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*index*/) const override {
+    return static_cast<TpuEvent*>(end)->finished_ms - static_cast<TpuEvent*>(start)->finished_ms;
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex /*index*/) const noexcept override {
+    delete static_cast<TpuEvent*>(event);
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    synchronizeStream(stream);
+    return true;
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    synchronizeDevice(stream.device_index());
+  }
+
+  // torch.accelerator.get_device_capability: the dtypes a tpu tensor can hold.
+  c10::DeviceCapability getDeviceCapability(c10::Device /*device*/) const override {
+    c10::DeviceCapability capability;
+    capability.capability_data.capability_bits = 0;
+    with_python("get_device_capability", [&](py::object& callbacks) {
+      for (py::handle dtype : callbacks.attr("supported_dtypes")()) {
+        TORCH_CHECK(THPDtype_Check(dtype.ptr()), "tpu: supported_dtypes() must return torch.dtypes");
+        const auto type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+#define TPU_SUPPORTS(_, name) \
+  if (type == c10::ScalarType::name) capability.capability_data.supported_scalar_types.has_##name = 1;
+        AT_FORALL_SCALAR_TYPES_WITH_COMPLEX_AND_QINTS(TPU_SUPPORTS)
+#undef TPU_SUPPORTS
+      }
+    });
+    return capability;
+  }
 
   void synchronizeDevice(const c10::DeviceIndex index) const override {
     with_python("synchronize", [&](py::object& callbacks) {
@@ -481,6 +574,7 @@ void register_hooks(py::object callbacks) {
   g_hooks = new TpuHooks();
   at::RegisterPrivateUse1HooksInterface(g_hooks);
   c10::SetAllocator(c10::DeviceType::PrivateUse1, &device_allocator());
+  at::setHostAllocator(c10::DeviceType::PrivateUse1, &pinned_allocator());
   if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) {  // else someone's guard stays
     c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, new TpuGuard());
   }

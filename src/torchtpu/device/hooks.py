@@ -11,6 +11,7 @@ from torchtpu.runtime import rng, state
 
 is_available = state.is_available
 current_device = state.current_device
+check_index = state.check_index  # an index past the count the C++ guard holds
 rng_state = rng.seed_offset  # a device's default generator: its (seed, offset)
 set_rng_state = rng.set_seed_offset
 
@@ -67,6 +68,13 @@ def empty_cache() -> None:
     from torchtpu.runtime import memory
 
     memory.empty_cache()
+
+
+def supported_dtypes() -> list:
+    """``torch.accelerator.get_device_capability``: the dtypes a tpu tensor can hold."""
+    from torchtpu.runtime import dtypes
+
+    return list(dtypes.TORCH_TO_JAX)
 
 
 def synchronize(index: int) -> None:
