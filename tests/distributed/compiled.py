@@ -142,7 +142,28 @@ def check_funcol():
     check_partial_group()
     check_two_groups()
     check_training_step()
+    check_mutation_and_random_ops()
     done("funcol")
+
+
+def check_mutation_and_random_ops():
+    """An input mutated in the program (its buffer donated) and a random op (the program's key
+    comes in as a per-rank scalar) next to a collective."""
+    def f(x, buf):
+        buf.add_(funcol.all_reduce(x, "sum", WORLD_GROUP))
+        return buf * 2, funcol.all_reduce(x, "sum", WORLD_GROUP) + torch.rand_like(x)
+
+    x, buf = data((3, 4), salt=10), data((3, 4), salt=11)
+    tpu_buf = buf.to(DEV)
+    donated = tpu_compile.compiler.cache_stats()["donated_buffers"]
+    out, noisy = compiled(f)(x.to(DEV), tpu_buf)
+    assert tpu_compile.compiler.cache_stats()["donated_buffers"] == donated + 1
+    want_buf = buf.clone()
+    want_out, _ = f(x, want_buf)
+    same("mutated input", tpu_buf, want_buf)
+    same("output after the mutation", out, want_out)
+    noise = noisy.cpu() - funcol.all_reduce(x, "sum", WORLD_GROUP)
+    assert bool(((noise >= -1e-6) & (noise < 1 + 1e-6)).all()) and noise.std() > 0.01, noise
 
 
 def check_partial_group():
