@@ -208,7 +208,9 @@ def check_training_step():
 
     def loss(m, x, y):
         out = funcol.all_reduce(m(x), "avg", WORLD_GROUP)
-        return F.mse_loss(out, y)
+        gathered = funcol.all_gather_tensor_autograd(out, 0, WORLD_GROUP)  # differentiable: its backward
+        back = funcol.reduce_scatter_tensor_autograd(gathered, "sum", 0, WORLD_GROUP)  # is a collective too
+        return F.mse_loss(back / WORLD, y)
 
     ref = loss(model, x, y)
     ref.backward()
