@@ -266,10 +266,14 @@ def check_tp(steps=4):
     metrics.end_step()
     for step in range(steps):
         x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))  # the same on every rank
-        out = step_fn(x.to(DEV))
+        x_tpu = x.to(DEV)
+        eager_collectives = dict(metrics.snapshot()["collectives"])
+        out = step_fn(x_tpu)
+        out.square().mean().backward()
+        # forward and backward ran no eager collective: theirs are inside the programs
+        assert metrics.snapshot()["collectives"] == eager_collectives, (eager_collectives, metrics.snapshot())
         ref = reference(x)
         same(f"tp forward, step {step}", out, ref)
-        out.square().mean().backward()
         ref.square().mean().backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -293,7 +297,8 @@ def check_tp(steps=4):
     assert len(forward) >= 1 and calls[forward[-1]] == steps, calls  # the newest forward graph: once per step
     assert not metrics.recompiles, dict(metrics.recompiles)
     if RANK == 0:
-        print("tp programs per step:", metrics.steps[-steps:], flush=True)
+        print("tp programs per step:", metrics.steps[-steps:], "\ncalls per graph:", calls,
+              "\ncompiled_collectives:", metrics.snapshot()["compiled_collectives"], flush=True)
     done("tp")
 
 
