@@ -5,15 +5,19 @@ graphs (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``all_to_all_single``, ``broadcast`` and the ``_coalesced`` forms, each followed by
 ``wait_tensor``). A graph whose collectives all use one group (its global ranks; two groups of
 the same ranks are one) is one SPMD program: ``shard_map`` over ``programs.mesh(ranks)``, each
-input and output this process's shard (``programs.as_global``), every other op per shard as
-without collectives. A collective's lowering is the body the eager c10d backend runs
+input and output this process's shard (``programs.spec``, ``programs.assembler``), every other
+op per shard as without collectives. A collective's lowering is the body the eager c10d backend runs
 (``distributed/programs.py``), so both paths share the axis ``"ranks"`` and the XLA:CPU
 reduce-scatter workaround; ``wait_tensor`` is the identity (XLA orders the program).
 
-A graph whose collectives use several groups (FSDP x TP on a 2-D DeviceMesh) is split
-(``split_points``) into consecutive pieces whose collectives use one group each; each piece is
-a compiled graph of its own. Splits are counted (``metrics.snapshot()["compiled_collectives"]``)
-and logged, with the groups, once per graph.
+A graph whose collectives use several groups (FSDP x TP on a 2-D DeviceMesh) is ``split`` into
+consecutive pieces whose collectives use one group each; each piece is a compiled graph of its
+own. Splits are counted (``metrics.snapshot()["compiled_collectives"]``) and logged, with the
+groups, once per graph.
+
+When a program is built, its group's ranks check that they traced the same collectives
+(``agree``): ranks that did not get an error instead of an XLA collective that never completes.
+A ``broadcast``'s ``src`` is a rank within the group, as c10d's ``rootRank``.
 """
 
 from __future__ import annotations
