@@ -172,7 +172,8 @@ def check_partial_group():
     sub = dist.new_group(members)
 
     def f(x):
-        return funcol.reduce_scatter_tensor(funcol.all_reduce(x, "sum", sub) * 2, "sum", 0, sub).sin()
+        scattered = funcol.reduce_scatter_tensor(funcol.all_reduce(x, "sum", sub) * 2, "sum", 0, sub).sin()
+        return scattered, funcol.broadcast(x, len(members) - 1, sub)  # src: a rank within the group
 
     if RANK in members:
         x = data((2 * len(members), 4), salt=4)
