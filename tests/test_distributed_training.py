@@ -4,10 +4,14 @@ tensor parallel and FSDP x TP matches the same model trained in one process on C
 
 The worker is ``tests/distributed/train.py``; each test launches it with ``torchrun`` (the group
 is killed if it overruns). CI runs one launch per kind of parallelism; the compiled and the
-other variants are ``slow`` (``pytest -m slow``).
+other variants, and ``examples/train_fsdp.py``, are ``slow`` (``pytest -m slow``).
 """
 
 from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +56,12 @@ SLOW = [
                                                   for n, a in SLOW])
 def test_more_setups_match_one_cpu_process(nproc, args):
     assert_parity(nproc, *args, timeout=360)
+
+
+@pytest.mark.slow
+def test_fsdp_example_runs_under_torchrun():
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_fsdp.py"
+    code, out = torchrun(str(example), 2, "--steps", "3", "--log-every", "1", timeout=240)
+    assert code == 0 and "trained on 2 processes" in out, out[-6000:]
+    losses = [float(v) for v in re.findall(r"step +\d+  loss ([0-9.naif]+)", out)]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), out[-3000:]

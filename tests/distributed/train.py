@@ -258,7 +258,8 @@ def compare(args, losses: list[float]) -> None:
         if saved:
             diff = max(diff, abs(got - saved[step - 1]) / abs(saved[step - 1]))
         worst = max(worst, diff)
-        lines.append(f"{step:>4} {ref:>16.7f} {got:>12.7f} {diff:>9.1e}" + (f"  {saved[step - 1]:.7f}" if saved else ""))
+        row = f"{step:>4} {ref:>16.7f} {got:>12.7f} {diff:>9.1e}"
+        lines.append(row + (f"  {saved[step - 1]:.7f}" if saved else ""))
     table = "\n".join(lines)
     print(table, flush=True)
     if not worst <= TOLERANCE:
@@ -274,7 +275,8 @@ def compare(args, losses: list[float]) -> None:
 
 
 def describe(args) -> str:
-    flags = [name for name in ("compile", "recompute", "mp", "no_reshard", "sp", "loss_parallel") if getattr(args, name)]
+    names = ("compile", "recompute", "mp", "no_reshard", "sp", "loss_parallel")
+    flags = [name for name in names if getattr(args, name)]
     return " ".join([args.setup, *flags, *(["resumed"] if args.load else [])])
 
 
