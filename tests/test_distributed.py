@@ -110,3 +110,21 @@ def test_launch_environment(monkeypatch):
     env = multiprocess.launch_env(1, 4, platform="tpu")
     assert env["TPU_VISIBLE_CHIPS"] == "1" and env["TPU_PROCESS_BOUNDS"] == "4,1,1"
     assert multiprocess.launch_env(1, 4, platform="cpu") == {}
+
+
+def test_busy_coordinator_port_is_a_clear_error(monkeypatch):
+    """Rank 0 checks the port after MASTER_PORT before jax.distributed would crash on it."""
+    import socket
+
+    from torchtpu.runtime import multiprocess
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(taken - 1)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(RuntimeError, match=f"coordinator port {taken} .* is in use"):
+            multiprocess.launch()

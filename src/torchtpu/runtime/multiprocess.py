@@ -54,7 +54,13 @@ def _int_env(name: str, default: int | None = None) -> int | None:
 
 
 def coordinator_address() -> str:
-    """``host:port`` of the ``jax.distributed`` coordinator (run by the process of rank 0)."""
+    """``host:port`` of the ``jax.distributed`` coordinator (run by the process of rank 0).
+
+    ``TORCHTPU_COORDINATOR`` if set. Under torchrun (whose agent serves the store at
+    ``MASTER_ADDR:MASTER_PORT`` from the start), rank 0 picks a free port and publishes it in that
+    store for this run; otherwise the port after ``MASTER_PORT``, checked free on rank 0 (a busy
+    port would crash the coordinator instead of raising).
+    """
     if config.coordinator:
         return config.coordinator
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -63,7 +69,44 @@ def coordinator_address() -> str:
         raise RuntimeError(
             "tpu: WORLD_SIZE > 1 but neither TORCHTPU_COORDINATOR nor MASTER_PORT is set; launch with "
             "torchrun, or set TORCHTPU_COORDINATOR=host:port (a free port on the host of rank 0)")
+    rank = _int_env("RANK", 0)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"{addr}:{_port_from_store(addr, port, rank)}"
+    if rank == 0 and not _port_free(port + 1):
+        raise RuntimeError(
+            f"tpu: the jax.distributed coordinator port {port + 1} (MASTER_PORT + 1) is in use on this host; "
+            f"set TORCHTPU_COORDINATOR=host:port to a free port, or choose another MASTER_PORT")
     return f"{addr}:{port + 1}"
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_from_store(addr: str, port: int, rank: int) -> int:
+    """The coordinator port for this run: chosen free by rank 0, read from torchrun's store."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    key = (f"torchtpu/coordinator/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=config.distributed_timeout))
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            chosen = sock.getsockname()[1]
+        store.set(key, str(chosen))
+        return chosen
+    return int(store.get(key))
 
 
 def launch() -> Launch | None:
