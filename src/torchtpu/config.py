@@ -81,7 +81,7 @@ SETTINGS = [
     Setting("distributed", "TORCHTPU_DISTRIBUTED", _bool, lambda: True,
             "under a launcher with WORLD_SIZE > 1 (torchrun), join the processes' devices with jax.distributed"),
     Setting("coordinator", "TORCHTPU_COORDINATOR", str, lambda: "",
-            "host:port of the jax.distributed coordinator (default: MASTER_ADDR and the port after MASTER_PORT)"),
+            "host:port of the jax.distributed coordinator (default: MASTER_ADDR, a free port chosen by rank 0)"),
     Setting("distributed_timeout", "TORCHTPU_DISTRIBUTED_TIMEOUT", _seconds, lambda: 300,
             "seconds to wait for every process to join jax.distributed"),
 ]
