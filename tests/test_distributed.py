@@ -101,12 +101,12 @@ def test_launch_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     info = multiprocess.launch()
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
-    assert info.coordinator == "10.0.0.2:29501"
+    assert multiprocess.coordinator_address() == "10.0.0.2:29501"
     monkeypatch.setenv("TORCHTPU_COORDINATOR", "host0:1234")
     from torchtpu.config import config
 
     monkeypatch.setattr(config, "coordinator", "host0:1234")
-    assert multiprocess.launch().coordinator == "host0:1234"
+    assert multiprocess.coordinator_address() == "host0:1234"
     env = multiprocess.launch_env(1, 4, platform="tpu")
     assert env["TPU_VISIBLE_CHIPS"] == "1" and env["TPU_PROCESS_BOUNDS"] == "4,1,1"
     assert multiprocess.launch_env(1, 4, platform="cpu") == {}
@@ -127,4 +127,4 @@ def test_busy_coordinator_port_is_a_clear_error(monkeypatch):
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
         with pytest.raises(RuntimeError, match=f"coordinator port {taken} .* is in use"):
-            multiprocess.launch()
+            multiprocess.coordinator_address()

@@ -96,6 +96,8 @@ def distributed_lines() -> list[str]:
         return ["distributed: single process (no WORLD_SIZE > 1 launch)"]
     import jax
 
+    info = multiprocess.joined() or info  # the runtime has started (platform lines above): joined
+
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     return [f"distributed: rank {info.rank} of {info.world_size} (local rank {info.local_rank} of "
             f"{info.local_world_size}), jax.distributed coordinator {info.coordinator}",

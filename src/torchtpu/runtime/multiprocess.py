@@ -24,6 +24,7 @@ This module imports no JAX at import time.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 from torchtpu.config import config
@@ -40,7 +41,7 @@ class Launch:
     world_size: int
     local_rank: int
     local_world_size: int
-    coordinator: str
+    coordinator: str = ""  # host:port, chosen once when the process joins (``initialize``)
 
 
 def _int_env(name: str, default: int | None = None) -> int | None:
@@ -120,8 +121,12 @@ def launch() -> Launch | None:
         raise RuntimeError("tpu: WORLD_SIZE > 1 but RANK is not set; launch with torchrun")
     local_rank = _int_env("LOCAL_RANK", 0)
     local_world = _int_env("LOCAL_WORLD_SIZE", None) or (world if local_rank == rank else local_rank + 1)
-    return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                  coordinator=coordinator_address())
+    return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world)
+
+
+def joined() -> Launch | None:
+    """The launch this process joined (with its coordinator), or None before ``initialize``."""
+    return _joined
 
 
 def _current() -> Launch | None:
@@ -183,9 +188,13 @@ def initialize() -> Launch | None:
     Returns the launch, or None when this process runs alone.
     """
     global _initialized, _joined
+    if _initialized:
+        return _joined
     info = launch()
-    if info is None or _initialized:
-        return info
+    if info is None:
+        return None
+    # Chosen once: under torchrun rank 0 picks a fresh port each time it is asked.
+    info = dataclasses.replace(info, coordinator=coordinator_address())
     for name, value in launch_env(info.local_rank, info.local_world_size).items():
         os.environ.setdefault(name, value)
     import jax
