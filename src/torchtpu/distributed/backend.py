@@ -35,7 +35,8 @@ from torch._C._distributed_c10d import Backend, _create_work_from_future
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.distributed import programs
-from torchtpu.runtime import placement
+from torchtpu.runtime import placement, platform
+from torchtpu.runtime.dtypes import to_jax_dtype
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "product", "MIN": "min", "MAX": "max", "BAND": "band",
         "BOR": "bor", "BXOR": "bxor"}
@@ -332,7 +333,7 @@ class ProcessGroupTPU(Backend):
         out_splits = out_splits or [output.shape[0] // n] * n
         sizes = jnp.asarray(in_splits, jnp.int64)
         (all_sizes,) = self._run("all_to_all_single(split sizes)", ("all_gather",), programs.all_gather(),
-                                 [placement.put(sizes, input_index(x))])
+                                 [placement.put(sizes, platform.first_index())])
         block = max(1, int(jax.device_get(all_sizes).max()))
         starts = [sum(in_splits[:j]) for j in range(n)]
         padded = jnp.concatenate([
@@ -377,7 +378,7 @@ class ProcessGroupTPU(Backend):
                     raise ValueError(f"tpu backend: scatter needs {n} input tensors on the root, got {len(blocks)}")
                 x = jnp.concatenate(blocks)
             else:
-                x = jnp.zeros((output.numel() * n,), bridge_dtype(output))
+                x = jnp.zeros((output.numel() * n,), to_jax_dtype(output.dtype))
                 x = placement.put(x, output.get_device())
             (out,) = self._run("scatter", ("scatter", root), programs.scatter(root), [x])
             _store(output, out)
@@ -454,27 +455,10 @@ class ProcessGroupTPU(Backend):
                            "transfer to be known); pass src")
 
     def barrier(self, opts=None):
-        x = placement.put(jnp.ones((1,), jnp.int32), _my_index())
+        x = placement.put(jnp.ones((1,), jnp.int32), platform.first_index())
         (out,) = self._run("barrier", ("barrier",), programs.barrier(), [x])
         out.block_until_ready()
         return _done([])
-
-
-def bridge_dtype(t: torch.Tensor):
-    from torchtpu.runtime.dtypes import to_jax_dtype
-
-    return to_jax_dtype(t.dtype)
-
-
-def input_index(x: jax.Array) -> int:
-    index = placement.index_of(x)
-    return _my_index() if index is None else index
-
-
-def _my_index() -> int:
-    from torchtpu.runtime import platform
-
-    return platform.first_index()
 
 
 def create(dist_backend_opts, backend_options=None) -> ProcessGroupTPU:
