@@ -4,7 +4,7 @@ For each process count N (``--nproc``, default ``2,4``) the script runs itself u
 (``python -m torch.distributed.run --standalone --nproc-per-node N``, with ``--worker``). Each
 worker measures, for ``all_reduce`` (sum), ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 on fp32 buffers of 4 KiB, 16 KiB, ... 64 MiB, the median time of ``--iters`` calls after
-``--warmup`` calls, three ways in the same processes:
+``--warmup`` calls, three ways in the same processes, the three taking turns call by call:
 
 * **tpu c10d**: ``torch.distributed`` with ``init_process_group("cpu:gloo,tpu:tpu")`` on tpu
   tensors, each call followed by ``torch.tpu.synchronize()``. When torchtpu registers no ``"tpu"``
@@ -22,9 +22,10 @@ all-gather's output, the reduce-scatter's input. Every column's first call is ch
 numpy. Rank 0 prints one markdown table per N; the script ends with one line saying whether the
 targets hold at >= 4 MiB: tpu c10d within 1.2x of raw JAX and no slower than gloo.
 
-The reduce-scatters run last: on XLA:CPU one gloo reduce-scatter pins the send buffers of the
-TCP connections it uses, which makes later large all-reduces slow (docs/design.md, "XLA:CPU
-collectives: the reduce-scatter stall").
+Raw JAX's reduce-scatters run after everything else: on XLA:CPU one gloo reduce-scatter pins the
+send buffers of the TCP connections it uses, which makes later large all-reduces slow (the tpu
+backend's own reduce-scatter avoids it there; docs/design.md, "XLA:CPU collectives: the
+reduce-scatter stall").
 
     python benchmarks/collectives.py                    # N = 2 and 4, 4 KiB ... 64 MiB
     python benchmarks/collectives.py --quick --nproc 2  # smoke run: 3 sizes, 3 calls each
@@ -202,8 +203,8 @@ class Worker:
         dist.all_reduce(flag, group=self.sync)
         return int(flag) == 0
 
-    def _measure(self, make, op: str, nbytes: int) -> float | str:
-        """Median ms of one column for (op, nbytes), or the reason it has no number."""
+    def _prepare(self, make, op: str, nbytes: int):
+        """One column's call for (op, nbytes), checked against numpy: the call, or why there is none."""
         import numpy as np
 
         n_in = input_elems(op, nbytes, self.world)
@@ -217,14 +218,21 @@ class Worker:
             error = f"{type(exc).__name__}: {exc}"
         if not self._everyone_ok(error is None):
             return error or "failed on another rank"
-        for _ in range(self.args.warmup - 1):
-            call()
-        times = []
+        return call
+
+    def _measure(self, calls: dict) -> dict:
+        """Median ms per column. The columns take turns call by call, so a slow spell on this
+        shared machine lands on all of them alike and the ratios stay meaningful."""
+        for call in calls.values():
+            for _ in range(self.args.warmup - 1):
+                call()
+        times = {name: [] for name in calls}
         for _ in range(self.args.iters):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+        return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
     def run(self) -> list[dict]:
         """Every (op, size): the three columns, in the order the docstring gives."""
@@ -233,18 +241,32 @@ class Worker:
         if self.tpu:
             columns = {"c10d": lambda op, x, world: c10d_call(op, x, world, self.device), **columns}
         sizes = QUICK_SIZES if self.args.quick else SIZES
-        rows, c10d_missing = [], NA
-        for op in OPS:
-            for nbytes in sizes:
-                row = {"op": op, "bytes": nbytes, "c10d": c10d_missing}
-                for name, make in list(columns.items()):
-                    row[name] = self._measure(make, op, nbytes)
-                    if name == "c10d" and isinstance(row[name], str):
-                        self.notes.append(f"rank {self.rank}: tpu c10d {op} {human(nbytes)}: {row[name]}")
-                        del columns["c10d"]  # one failure is enough: the rest would only hang
-                        row[name], c10d_missing = "error", "skipped (error above)"
-                rows.append(row)
+        rows = [{"op": op, "bytes": nbytes, "c10d": NA} for op in OPS for nbytes in sizes]
+        for row in rows:
+            # raw JAX's reduce-scatter stalls the collectives after it: it runs after all others
+            now = {k: v for k, v in columns.items() if not (k == "jax" and row["op"] == "reduce_scatter")}
+            self._fill(row, now, columns)
+        for row in rows:
+            if row["op"] == "reduce_scatter":
+                self._fill(row, {"jax": jax_call}, columns)
         return rows
+
+    def _fill(self, row: dict, columns: dict, all_columns: dict) -> None:
+        """Measure ``columns`` for one row; a failing c10d column is dropped for the rest."""
+        if self.tpu and "c10d" not in all_columns and row["c10d"] == NA:
+            row["c10d"] = "skipped (error above)"
+        calls = {}
+        for name, make in columns.items():
+            prepared = self._prepare(make, row["op"], row["bytes"])
+            if not isinstance(prepared, str):
+                calls[name] = prepared
+                continue
+            row[name] = prepared
+            if name == "c10d":
+                self.notes.append(f"rank {self.rank}: tpu c10d {row['op']} {human(row['bytes'])}: {prepared}")
+                all_columns.pop("c10d", None)  # one failure is enough: the rest would only hang
+                row[name] = "error"
+        row.update(self._measure(calls))
 
     def all_notes(self) -> list[str]:
         """Every rank's notes (rank 0 prints them)."""
