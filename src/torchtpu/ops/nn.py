@@ -942,55 +942,6 @@ def binary_cross_entropy_backward(g, x, target, weight=None, reduction=1):
     return (grad * seed).astype(x.dtype)
 
 
-# ---------------------------------------------------------------- attention
-
-def _attention(q, k, v, is_causal, attn_mask, scale):
-    """Softmax attention in opmath: (output, logsumexp over keys); a fully masked row gives zeros."""
-    if q.shape[-1] != k.shape[-1] or k.shape[-1] != v.shape[-1]:
-        raise RuntimeError("scaled_dot_product_attention_flash_attention: Q/K/V should have the same head size")
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of queries
-        k, v = (jnp.repeat(t, q.shape[1] // k.shape[1], axis=1) for t in (k, v))
-    qf, kf, vf = _up(q), _up(k), _up(v)
-    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    scores = jnp.einsum("...ld,...sd->...ls", qf, kf, precision=HIGHEST) * scale
-    if is_causal:
-        scores = jnp.where(jnp.tril(jnp.ones(scores.shape[-2:], jnp.bool_)), scores, -jnp.inf)
-    if attn_mask is not None:
-        scores = jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_ \
-            else scores + _up(attn_mask)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    empty = peak == -jnp.inf
-    weights = jnp.exp(scores - jnp.where(empty, 0, peak))
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("...ls,...sd->...ld", weights / jnp.where(empty, 1, total), vf, precision=HIGHEST)
-    lse = jnp.where(empty, 0, jnp.log(jnp.where(empty, 1, total)) + peak)[..., 0]
-    return out, lse
-
-
-def _check_flash(q, k, v, dropout_p):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise RuntimeError(f"q, k, v must be a 4 dimensional tensor, got {q.ndim}, {k.ndim}, {v.ndim}")
-    if dropout_p != 0:
-        raise NotImplementedError("tpu: _scaled_dot_product_flash_attention_for_cpu with dropout_p > 0 is not "
-                                  "supported; use scaled_dot_product_attention's math path for dropout")
-
-
-@lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
-def flash_attention_for_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    _check_flash(q, k, v, dropout_p)
-    out, lse = _attention(q, k, v, is_causal, attn_mask, scale)
-    return out.astype(q.dtype), lse.astype(opmath(q.dtype))
-
-
-@lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def flash_attention_for_cpu_backward(g, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
-                                     scale=None):
-    _check_flash(q, k, v, dropout_p)
-    _, vjp = jax.vjp(lambda a, b, c: _attention(a, b, c, is_causal, attn_mask, scale)[0], q, k, v)
-    gq, gk, gv = vjp(_up(g))
-    return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype)
-
-
 # ---------------------------------------------------------------- distances
 
 def _uses_mm(p, r1, r2, compute_mode) -> bool:
