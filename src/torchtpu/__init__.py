@@ -25,6 +25,7 @@ from torchtpu import tpu_module as _tpu_module  # noqa: E402
 from torchtpu.compile import install as _install_compile  # noqa: E402
 from torchtpu.device.registration import register as _register  # noqa: E402
 from torchtpu.distributed import register as _register_distributed  # noqa: E402
+from torchtpu.flex_attention import install as _install_flex_attention  # noqa: E402
 from torchtpu.runtime import state as _state  # noqa: E402
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ def _start_layers() -> None:
 _register(_tpu_module.build())
 _install_compile()
 _register_distributed()
+_install_flex_attention()
 _state.on_start(_start_layers)
 
 # Public names whose modules import JAX: imported on first access.
