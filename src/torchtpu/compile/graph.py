@@ -20,7 +20,7 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from torchtpu.compile import collectives
+from torchtpu.compile import collectives, flex_attention
 from torchtpu.ops import registry
 from torchtpu.runtime import platform, rng
 
@@ -63,6 +63,9 @@ def _resolve(node: Node, random_count: int) -> _Step:
     target = node.target
     if target is torch.ops.higher_order.with_effects:
         return _Step(node, _with_effects)
+    hop = flex_attention.lowering_for(target)  # flex_attention's HOPs: their subgraphs are traced in
+    if hop is not None:
+        return _Step(node, hop)
     if not isinstance(target, OpOverload):
         return _Step(node, target)
     if collectives.is_collective(target):
