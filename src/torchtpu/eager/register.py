@@ -8,7 +8,7 @@ from torch._ops import OpOverload
 
 from torchtpu import metrics
 from torchtpu.device import registration
-from torchtpu.eager import dispatch, fallback, fused, modes, transfer, views
+from torchtpu.eager import attention, dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import foreach, registry
 from torchtpu.runtime import state, streams
 
@@ -79,6 +79,7 @@ def kernels() -> dict[OpOverload, object]:
             else:
                 out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
                 KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
+    KERNELS.update(attention.kernels(KERNELS))
     KERNELS.update(_foreach_kernels())
     KERNELS.update(views.KERNELS)
     KERNELS.update(transfer.KERNELS)
@@ -116,6 +117,7 @@ def install() -> None:
         lib.impl(f"{op._schema.name.split('::')[1]}.{op._overloadname}" if op._overloadname != "default"
                  else op._schema.name.split("::")[1], kernel, "PrivateUse1")
     _libs.append(lib)
+    _libs.append(attention.install_autograd())  # SDPA chooses its backend above autograd
     registration.set_fallback(fallback.fallback)
     global _hooked
     if _hooked:  # a reinstall (after _uninstall): the hooks below are in place already

@@ -1,0 +1,112 @@
+"""Which attention ``F.scaled_dot_product_attention`` runs on ``tpu``, and the fused op's eager kernel.
+
+PyTorch chooses SDPA's backend with a C++ stub (``_fused_sdp_choice_stub``) that only a C++
+extension can fill for PrivateUse1; without it a ``tpu`` tensor always takes the math path, which
+materialises the L×S scores. So SDPA gets its own kernel on AutogradPrivateUse1 that chooses as
+PyTorch does, by the ``sdpa_kernel`` settings in their priority order:
+
+- the math backend: ``_scaled_dot_product_attention_math`` (PyTorch's decomposition);
+- the flash, efficient, cuDNN and overrideable backends: the one fused op PyTorch provides for
+  PrivateUse1 backends, ``_scaled_dot_product_fused_attention_overrideable`` (blockwise,
+  ``ops/attention.py``), for 4-d float16/bfloat16/float32 inputs; other inputs (float64,
+  other ranks, broadcast batches, head counts without ``enable_gqa``) take the math path.
+
+Autograd records the fused op (PyTorch's formula calls its ``_backward``), so eager, fused and
+compiled execution (aot_autograd traces through this kernel) all run the same two lowerings.
+``torch._fused_sdp_choice`` on ``tpu`` answers with the same choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend
+
+aten = torch.ops.aten
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ENABLED = {
+    SDPBackend.MATH: torch._C._get_math_sdp_enabled,
+    SDPBackend.FLASH_ATTENTION: torch._C._get_flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch._C._get_mem_efficient_sdp_enabled,
+    SDPBackend.CUDNN_ATTENTION: torch._C._get_cudnn_sdp_enabled,
+    SDPBackend.OVERRIDEABLE: torch._C._get_overrideable_sdp_enabled,
+}
+_BY_VALUE = {b.value: b for b in _ENABLED}
+
+
+def _fused_fits(query, key, value, attn_mask, enable_gqa: bool) -> bool:
+    """Whether the fused op takes these inputs (else the math path, which also raises PyTorch's errors)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested:
+        return False
+    if query.dtype not in _FUSED_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    (b, hq, length, d), (bk, hk, s, dk), (bv, hv, sv, _) = query.shape, key.shape, value.shape
+    if not (b == bk == bv and hk == hv and s == sv and d == dk):
+        return False
+    if hq != hk and not (enable_gqa and hq % hk == 0):
+        return False
+    if attn_mask is not None:
+        if attn_mask.dtype not in (torch.bool, query.dtype) or attn_mask.dim() > 4:
+            return False
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (b, hq, length, s))
+        except RuntimeError:
+            return False
+    return True
+
+
+def choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+           enable_gqa=False) -> SDPBackend:
+    """The backend SDPA runs on these inputs: MATH or OVERRIDEABLE (what FLASH/EFFICIENT/CUDNN map to)."""
+    fits = _fused_fits(query, key, value, attn_mask, enable_gqa)
+    for value_ in torch._C._get_sdp_priority_order():
+        backend = _BY_VALUE.get(value_)
+        if backend is None or not _ENABLED[backend]():
+            continue
+        if backend == SDPBackend.MATH:
+            return backend
+        if fits:
+            return SDPBackend.OVERRIDEABLE
+    raise RuntimeError("No viable backend for scaled_dot_product_attention was found. This is likely due to "
+                       "turning off both the math kernel and the fused kernels.")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                 scale=None, enable_gqa=False):
+    """SDPA on ``tpu``: the chosen backend's op (autograd records it)."""
+    if attn_mask is not None and is_causal:  # PyTorch's own check, before any backend
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when "
+                           "is_causal=True")
+    if choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == SDPBackend.MATH:
+        return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
+                                                       scale=scale, enable_gqa=enable_gqa)[0]
+    return aten._scaled_dot_product_fused_attention_overrideable(query, key, value, attn_mask, dropout_p,
+                                                                 is_causal, False, scale=scale)[0]
+
+
+def _fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                      enable_gqa=False) -> int:
+    return choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa).value
+
+
+def _fused_kernel(functional):
+    """The fused op's eager kernel: ``functional`` (its lowering's kernel) with ``max_q`` and
+    ``max_k`` as the ints the schema returns (a jitted program returns them as arrays)."""
+    def fused(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+              scale=None):
+        out = functional(query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale=scale)
+        return (*out[:4], query.shape[2], key.shape[2], *out[6:])
+
+    return fused
+
+
+def kernels(built: dict) -> dict:
+    """PrivateUse1 kernels of this module, given those built from the lowerings."""
+    fused = aten._scaled_dot_product_fused_attention_overrideable.default
+    return {fused: _fused_kernel(built[fused]), aten._fused_sdp_choice.default: _fused_sdp_choice}
+
+
+def install_autograd() -> torch.library.Library:
+    """Register SDPA's AutogradPrivateUse1 kernel; returns its library (destroying it unregisters)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
+    return lib
