@@ -64,6 +64,9 @@ def kernels() -> dict[OpOverload, object]:
             KERNELS[op] = views.view_kernel(op)
             continue
         kernel = dispatch.Kernel(low)
+        if op.namespace != "aten":  # a custom op (jax_op, torch_nn's chunked losses): no aten variants
+            KERNELS[op] = kernel
+            continue
         if low.mutates:  # writes its arguments itself: no derived in-place or out= variants
             KERNELS[op] = dispatch.MutatingKernel(kernel)
             continue
@@ -112,11 +115,11 @@ def install() -> None:
     """Register every kernel with PyTorch's dispatcher (idempotent); run when the runtime starts."""
     if _libs:
         return
-    lib = torch.library.Library("aten", "IMPL")
+    libs: dict[str, torch.library.Library] = {}
     for op, kernel in kernels().items():
-        lib.impl(f"{op._schema.name.split('::')[1]}.{op._overloadname}" if op._overloadname != "default"
-                 else op._schema.name.split("::")[1], kernel, "PrivateUse1")
-    _libs.append(lib)
+        lib = libs.get(op.namespace) or libs.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
+        _impl(lib, op, kernel)
+    _libs.extend(libs.values())
     _libs.append(attention.install_autograd())  # SDPA chooses its backend above autograd
     registration.set_fallback(fallback.fallback)
     global _hooked
@@ -128,6 +131,22 @@ def install() -> None:
     streams.before_synchronize(lambda: modes.flush("synchronize"))
     state.on_fork_child(_uninstall)
     registry.on_change(_forget_programs)
+
+
+def _impl(lib: torch.library.Library, op: OpOverload, kernel) -> None:
+    name = op._schema.name.split("::")[1]
+    lib.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", kernel, "PrivateUse1")
+
+
+def add(op: OpOverload) -> None:
+    """Give ``op``, lowered after the kernels were built (``torchtpu.jax_op``), its eager kernel."""
+    if not KERNELS:  # not built yet: kernels() will find its lowering in the registry
+        return
+    KERNELS[op] = dispatch.Kernel(registry.get(op))
+    if _libs:  # installed already: register this one now
+        lib = torch.library.Library(op.namespace, "IMPL")
+        _impl(lib, op, KERNELS[op])
+        _libs.append(lib)
 
 
 def _forget_programs(op: OpOverload) -> None:
