@@ -445,7 +445,6 @@ def linalg_matrix_exp(A):
     return jax.scipy.linalg.expm(A)
 
 
-@lowering(aten.linalg_matrix_sqrth.default)
 def linalg_matrix_sqrth(A):
     """The principal root via ``eigh`` of the lower triangle; negative eigenvalues count as 0, as on CPU."""
     _check_square(A, "linalg.matrix_sqrth")
@@ -455,7 +454,6 @@ def linalg_matrix_sqrth(A):
     return _mm(v * root[..., None, :], _mH(v))
 
 
-@lowering(aten.linalg_polar.default)
 def linalg_polar(A):
     """``A = U H`` from the SVD ``A = W S V^H``: ``U = W V^H``, ``H = V S V^H`` (PyTorch's CPU method)."""
     m, n = A.shape[-2:]
@@ -465,6 +463,12 @@ def linalg_polar(A):
     _check_float(A, "linalg.polar")
     w, s, vh = lax.linalg.svd(A, full_matrices=False)
     return _mm(w, vh), _mm(_mH(vh) * s.astype(A.dtype)[..., None, :], vh)
+
+
+# torch 2.14 added linalg.matrix_sqrth and linalg.polar; older releases have no such op to lower.
+for _name, _fn in (("linalg_matrix_sqrth", linalg_matrix_sqrth), ("linalg_polar", linalg_polar)):
+    if hasattr(aten, _name):
+        lowering(getattr(aten, _name).default)(_fn)
 
 
 def _pinv_rtol(A, atol, rtol):
