@@ -3,13 +3,17 @@ DEFER_AND_FUSE and torch.compile(backend="tpu"), in one run.
 
 Two loops: an elementwise-heavy MLP with a hand-written optimizer update (dispatch-bound, where
 fusing pays most) and the GPT train step of the compile benchmark. Each step reads the loss with
-``.item()``, as a training loop that logs does. The modes are timed in interleaved rounds; prints
+``.item()``, as a training loop that logs does. A third table runs GPT loops (the small GPT, and
+the full-size one) that read the loss every step or only at the end, in DEFER_NEVER and
+DEFER_AND_FUSE: the loop users write when they log every hundred steps, where the fused mode must
+find the step boundary without a read. The modes are timed in interleaved rounds; prints
 steps/s (median per mode) and the ratios the fused mode is judged by, the fused program-cache hit
 rate after warm-up, and the bound on the fused speedup that the per-op cost of a Python device
 kernel sets (the dispatcher and a new tensor per op, measured in the same run).
 
     python benchmarks/eager_modes.py            # full size (GPT d_model 256, 4 layers, seq 128)
     python benchmarks/eager_modes.py --quick    # smaller models, for a fast look
+    python benchmarks/eager_modes.py --tables reads    # only the read-every-step / read-at-the-end table
 """
 
 from __future__ import annotations
@@ -86,32 +90,46 @@ def _context(mode: str):
     return torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, "DEFER_NEVER" if mode == "compiled" else mode))
 
 
-def interleaved_steps(make_step, steps: int, rounds: int, warmup: int) -> tuple[dict, float, float]:
-    """Seconds per step of every mode, timed in ``rounds`` interleaved rounds (this machine drifts
-    between runs; interleaving makes every mode see the same drift): the median per mode, the
-    fused program-cache hit rate after warm-up and the fused ops recorded per step."""
+def interleaved_runs(make_step, variants: dict[str, tuple[str, bool]], steps: int, rounds: int,
+                     warmup: int) -> tuple[dict, float, float]:
+    """Seconds per step of every variant (label -> (mode, whether each step reads its loss with
+    ``.item()``; otherwise only the last step's loss is read, after the loop)), timed in ``rounds``
+    interleaved rounds (this machine drifts between runs; interleaving makes every variant see the
+    same drift): the median per variant, the fused program-cache hit rate after warm-up and the
+    fused ops recorded per step."""
     runners = {}
-    for mode in MODES:
+    for label, (mode, read_every) in variants.items():
         step = make_step()
-        runners[mode] = torch.compile(step, backend="tpu") if mode == "compiled" else step
-        with _context(mode):
-            for _ in range(warmup):
-                runners[mode]().item()
-    hits0, compiled0 = fused.stats()["program_cache_hits"], fused.stats()["programs_compiled"]
-    ops0 = fused.stats()["ops_recorded"]
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        runners[label] = torch.compile(step, backend="tpu") if mode == "compiled" else step
+        _run(runners[label], mode, read_every, warmup)
+    before = fused.stats()
+    times: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(rounds):
-        for mode in MODES:
-            with _context(mode):
-                start = time.perf_counter()
-                for _ in range(steps):
-                    runners[mode]().item()
-                torch.tpu.synchronize()
-                times[mode].append((time.perf_counter() - start) / steps)
-    hits = fused.stats()["program_cache_hits"] - hits0
-    misses = fused.stats()["programs_compiled"] - compiled0
-    ops = (fused.stats()["ops_recorded"] - ops0) / (rounds * steps)
-    return {mode: statistics.median(t) for mode, t in times.items()}, hits / max(hits + misses, 1), ops
+        for label, (mode, read_every) in variants.items():
+            times[label].append(_run(runners[label], mode, read_every, steps) / steps)
+    after = fused.stats()
+    hits = after["program_cache_hits"] - before["program_cache_hits"]
+    misses = after["programs_compiled"] - before["programs_compiled"]
+    ops = (after["ops_recorded"] - before["ops_recorded"]) / (rounds * steps)
+    return {label: statistics.median(t) for label, t in times.items()}, hits / max(hits + misses, 1), ops
+
+
+def _run(step, mode: str, read_every: bool, steps: int) -> float:
+    """Seconds for ``steps`` steps in ``mode``, reading the loss every step or once at the end."""
+    with _context(mode):
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+            if read_every:
+                loss.item()
+        loss.item()
+        torch.tpu.synchronize()
+        return time.perf_counter() - start
+
+
+def interleaved_steps(make_step, steps: int, rounds: int, warmup: int) -> tuple[dict, float, float]:
+    """``interleaved_runs`` of every mode, each step reading its loss."""
+    return interleaved_runs(make_step, {mode: (mode, True) for mode in MODES}, steps, rounds, warmup)
 
 
 def python_kernel_floor(repeats: int = 5, n: int = 2000) -> float:
@@ -155,24 +173,57 @@ def table(title: str, make_step, steps: int, rounds: int, warmup: int, floor: fl
     return results
 
 
+READS = {f"{mode}, {when}": (mode, when == "every step") for mode in ("DEFER_NEVER", "DEFER_AND_FUSE")
+         for when in ("every step", "at the end")}
+
+
+def reads_table(title: str, make_step, steps: int, rounds: int, warmup: int) -> dict[str, float]:
+    """The same loop reading its loss every step or only after the last step, in DEFER_NEVER and
+    DEFER_AND_FUSE: the fused mode must find the step boundary itself when nothing is read."""
+    print(f"\n## {title}\n")
+    seconds, hit_rate, ops = interleaved_runs(make_step, READS, steps, rounds, warmup)
+    rates = {label: 1 / s for label, s in seconds.items()}
+    print("| mode | loss read | steps/s | vs DEFER_NEVER, same reads |")
+    print("| --- | --- | ---: | ---: |")
+    for label, rate in rates.items():
+        mode, when = label.split(", ")
+        print(f"| {mode} | {when} | {rate:.2f} | {rate / rates['DEFER_NEVER, ' + when]:.2f}x |")
+    at_end, every = rates["DEFER_AND_FUSE, at the end"], rates["DEFER_AND_FUSE, every step"]
+    print(f"\nRead at the end: DEFER_AND_FUSE / DEFER_NEVER = {at_end / rates['DEFER_NEVER, at the end']:.2f}x; "
+          f"DEFER_AND_FUSE read at the end / read every step = {at_end / every:.2f}x; fused cache hit rate "
+          f"{hit_rate:.1%} after warm-up; {ops / 2:.0f} ops recorded per fused step")
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every mode")
+    parser.add_argument("--tables", default="mlp,gpt,reads", help="which tables, comma-separated")
     args = parser.parse_args()
-    quick = args.quick
+    quick, tables = args.quick, args.tables.split(",")
     floor = python_kernel_floor()
     print(f"torch {torch.__version__}, device {torch.tpu.get_device_name()}, "
           f"{'quick' if quick else 'full'} sizes, median of {args.rounds} interleaved rounds")
     width, depth, batch = (128, 4, 32) if quick else (256, 6, 64)
-    table(f"Elementwise-heavy MLP ({depth} layers of {width}, batch {batch}, hand-written SGD update)",
-          lambda: make_mlp_loop(width, depth, batch), steps=10 if quick else 20, rounds=args.rounds, warmup=3,
-          floor=floor)
-    config = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64) if quick else GPTConfig()
-    table(f"GPT train step (d_model {config.d_model}, {config.n_layer} layers, seq {config.block_size}, "
-          f"batch {4 if quick else 8})", lambda: make_gpt_loop(config, 4 if quick else 8),
-          steps=3 if quick else 5, rounds=args.rounds, warmup=2, floor=floor)
-
+    if "mlp" in tables:
+        table(f"Elementwise-heavy MLP ({depth} layers of {width}, batch {batch}, hand-written SGD update)",
+              lambda: make_mlp_loop(width, depth, batch), steps=10 if quick else 20, rounds=args.rounds, warmup=3,
+              floor=floor)
+    small = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=64)
+    config = small if quick else GPTConfig()
+    gpt_batch = 4 if quick else 8
+    if "gpt" in tables:
+        table(f"GPT train step (d_model {config.d_model}, {config.n_layer} layers, seq {config.block_size}, "
+              f"batch {gpt_batch})", lambda: make_gpt_loop(config, gpt_batch),
+              steps=3 if quick else 5, rounds=args.rounds, warmup=2, floor=floor)
+    if "reads" in tables:
+        reads_table("Small GPT (d_model 64, 2 layers, seq 32, batch 1, AdamW): loss read every step or at the end",
+                    lambda: make_gpt_loop(small, 1), steps=10 if quick else 20, rounds=args.rounds, warmup=3)
+        if not quick:
+            reads_table(f"GPT (d_model {config.d_model}, {config.n_layer} layers, seq {config.block_size}, "
+                        f"batch {gpt_batch}, AdamW): loss read every step or at the end",
+                        lambda: make_gpt_loop(config, gpt_batch), steps=5, rounds=args.rounds, warmup=3)
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,9 @@ context's ``FusedExecutor`` (each thread or asyncio task in this mode has its ow
 ``jax.eval_shape``, cached). Storages hold the ``Deferred`` like an array; reading one in another
 context runs its own executor's pending work, under that executor's lock. When a value must
 exist (``.item()``, ``.cpu()``, printing, a data-dependent op, a CPU fallback, ``synchronize``,
-a transfer, a mode change, or the graph reaching its size bound) the pending nodes are compiled
+a transfer, a mode change, the graph reaching its size bound, or, at the next op, the end of an
+``optimizer.step()``: a training step's end, so a loop that reads nothing still runs one program
+per step, the same each step) the pending nodes are compiled
 into one ``jax.jit`` program, cached (shared by all executors, bounded) by the graph's structure
 (which jitted functions, wired how, on which input shapes/dtypes — never the data), and run.
 Only values whose ``Deferred`` is still referenced (by a tensor's storage) become outputs; the
@@ -22,6 +24,7 @@ import weakref
 from collections import Counter
 
 import jax
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import caches, metrics
 from torchtpu.device import bridge
@@ -154,12 +157,15 @@ class FusedExecutor:
     def __init__(self):
         self.graph = _Graph(self)
         self.lock = threading.RLock()
+        self.step_ended = False  # an optimizer step ended since the last flush: cut before the next op
 
     # ------------------------------------------------------------ recording
     def call(self, fn, *args):
         # The hot path of the mode (every eager op): one pass over the arguments builds both the
         # node's references and its shape key; output avals come from a cache after the first call.
         with self.lock:
+            if self.step_ended:
+                self.flush("optimizer_step")
             graph = self.graph
             keys = []
             refs = []
@@ -202,6 +208,7 @@ class FusedExecutor:
         waiting, so it computes while Python records the next step.
         """
         with self.lock:
+            self.step_ended = False
             graph = self.graph
             if not graph.nodes:
                 return
@@ -302,6 +309,21 @@ def _build(graph: _Graph, needed: list[int], outputs: list[tuple[int, int]], ext
 def current_executor() -> FusedExecutor | None:
     """The executor the current context records into (None outside DEFER_AND_FUSE)."""
     return modes.current().executor
+
+
+def _optimizer_step_ended(optimizer, args, kwargs) -> None:
+    """Mark a training step's end: the current context's next recorded op cuts the recording there."""
+    # The cut waits for the next op rather than flushing here, so that a read right after
+    # ``opt.step()`` (``loss.item()``) still runs only what it needs first and the rest behind it.
+    executor = modes.current().executor
+    if executor is not None:
+        executor.step_ended = True
+
+
+# Without a cut, a loop that reads nothing each step records across steps up to MAX_NODES and
+# cuts wherever that lands: a new program every time, never reused. ``optimizer.step()`` is where
+# a step ends, in the same place every step (docs/design.md, "Where a fused program ends").
+_step_hook = register_optimizer_step_post_hook(_optimizer_step_ended)
 
 
 def pending_graph() -> list[str]:
