@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import torch
@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtpu import caches
 from torchtpu.compile import graph as graph_lowering
+from torchtpu.compile.backend import decompositions
 from torchtpu.device import bridge
 from torchtpu.ops import flex_attention as flex
 
@@ -118,7 +119,10 @@ def _aten_graph(fn: Callable, examples: list) -> GraphModule:
     gm = _graphs.get(key)
     if gm is None:
         with TransformGetItemToIndex():  # buffer[h] with a tensor index traces as aten.index
-            gm = _graphs[key] = make_fx(fn, tracing_mode="fake")(*examples)
+            # tensors a plain function closes over (no dynamo to lift them) become constants
+            gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*examples)
+        _graphs[key] = gm
     return gm
 
 
