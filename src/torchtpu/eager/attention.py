@@ -18,8 +18,14 @@ compiled execution (aot_autograd traces through this kernel) all run the same tw
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.nn.attention import SDPBackend
+
+from torchtpu.eager import dispatch
+from torchtpu.ops import registry
+from torchtpu.ops.registry import Lowering
 
 aten = torch.ops.aten
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,21 +94,52 @@ def _fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     return choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa).value
 
 
-def _fused_kernel(functional):
-    """The fused op's eager kernel: ``functional`` (its lowering's kernel) with ``max_q`` and
-    ``max_k`` as the ints the schema returns (a jitted program returns them as arrays)."""
+@dataclasses.dataclass(frozen=True)
+class _ArrayOutputs(Lowering):
+    """An op's lowering (or its platform override) with only its array outputs: an eager program
+    returns arrays; the kernel puts back the undefined tensors (None) and ints the schema returns."""
+
+    def impl(self, platform: str | None = None):
+        full = registry.LOWERINGS[self.op].impl(platform)
+        return lambda *args, **kwargs: tuple(o for o in full(*args, **kwargs) if o is not None and not isinstance(o, int))
+
+
+def _array_kernel(op) -> dispatch.Kernel:
+    low = registry.LOWERINGS[op]
+    return dispatch.Kernel(_ArrayOutputs(op, low.fn, random=low.random))
+
+
+def _fused_kernel():
+    """The fused op's eager kernel: its arrays from one program, its ints from the shapes."""
+    functional = _array_kernel(aten._scaled_dot_product_fused_attention_overrideable.default)
+
     def fused(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
               scale=None):
-        out = functional(query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale=scale)
-        return (*out[:4], query.shape[2], key.shape[2], *out[6:])
+        out, lse, seed, offset = functional(query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask,
+                                            scale=scale)
+        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
+    fused.functional = functional  # register.py drops its programs when the op's override changes
     return fused
 
 
-def kernels(built: dict) -> dict:
-    """PrivateUse1 kernels of this module, given those built from the lowerings."""
-    fused = aten._scaled_dot_product_fused_attention_overrideable.default
-    return {fused: _fused_kernel(built[fused]), aten._fused_sdp_choice.default: _fused_sdp_choice}
+def _fused_backward_kernel():
+    """The fused backward's eager kernel: no bias gradient (None) unless asked for one."""
+    functional = _array_kernel(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+
+    def fused_backward(*args, **kwargs):
+        grads = functional(*args, **kwargs)
+        return grads if len(grads) == 4 else (*grads, None)
+
+    fused_backward.functional = functional
+    return fused_backward
+
+
+def kernels() -> dict:
+    """This module's PrivateUse1 kernels."""
+    return {aten._scaled_dot_product_fused_attention_overrideable.default: _fused_kernel(),
+            aten._scaled_dot_product_fused_attention_overrideable_backward.default: _fused_backward_kernel(),
+            aten._fused_sdp_choice.default: _fused_sdp_choice}
 
 
 def install_autograd() -> torch.library.Library:

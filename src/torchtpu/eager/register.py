@@ -82,7 +82,7 @@ def kernels() -> dict[OpOverload, object]:
             else:
                 out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
                 KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
-    KERNELS.update(attention.kernels(KERNELS))
+    KERNELS.update(attention.kernels())
     KERNELS.update(_foreach_kernels())
     KERNELS.update(views.KERNELS)
     KERNELS.update(transfer.KERNELS)

@@ -1,0 +1,217 @@
+"""Fused scaled-dot-product attention: the blockwise kernel against PyTorch's CPU SDPA (forward and
+gradients, many blocks), SDPA on tpu in eager and compiled code, dropout, and backend selection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchtpu.ops import attention, registry
+
+aten = torch.ops.aten
+FUSED = aten._scaled_dot_product_fused_attention_overrideable.default
+FUSED_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _mask(kind, length, kv_length, heads, seed=5):
+    """An attention mask of ``kind`` for (2, heads, length, kv_length) attention."""
+    if kind == "bool":  # per batch and head, with fully masked rows
+        mask = torch.rand(2, heads, length, kv_length, generator=torch.Generator().manual_seed(seed)) > 0.4
+        mask[:, :, 3] = False
+        return mask
+    if kind == "additive":  # broadcast over heads; its gradient is reduced to this shape
+        return _randn(2, 1, length, kv_length, seed=seed)
+    if kind == "additive_rows":  # broadcast over batch and query rows
+        return _randn(heads, 1, kv_length, seed=seed)
+    return None
+
+
+CASES = {  # name: (q heads, kv heads, L, S, causal, mask kind, scale, block q, block k)
+    "one_block": (2, 2, 8, 8, False, None, None, None, None),
+    "blocks_padded": (2, 2, 37, 29, False, None, None, 8, 8),
+    "causal_wide": (4, 2, 37, 53, True, None, None, 16, 8),
+    "causal_tall": (4, 2, 37, 29, True, None, None, 8, 16),
+    "gqa_mqa_bool_mask": (4, 1, 37, 29, False, "bool", None, 8, 8),
+    "bool_mask_empty_rows": (4, 4, 37, 29, False, "bool", None, 16, 16),
+    "additive_mask_scale": (4, 2, 37, 29, False, "additive", 0.3, 8, 8),
+    "additive_rows": (4, 2, 37, 29, False, "additive_rows", None, 8, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blockwise_matches_torch_sdpa(case):
+    hq, hk, length, kv_length, causal, kind, scale, bq, bk = CASES[case]
+    q, k, v = _randn(2, hq, length, 8, seed=1), _randn(2, hk, kv_length, 8, seed=2), _randn(2, hk, kv_length, 8,
+                                                                                             seed=3)
+    g, mask = _randn(2, hq, length, 8, seed=4), _mask(kind, length, kv_length, hq)
+    learnable = mask is not None and mask.dtype != torch.bool
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)] + ([mask.double().requires_grad_()] if learnable else [])
+    ref_mask = ref_in[3] if learnable else mask
+    ref = F.scaled_dot_product_attention(*ref_in[:3], attn_mask=ref_mask, is_causal=causal, scale=scale,
+                                         enable_gqa=hq != hk)
+    ref.backward(g.double())
+    arrays = [jnp.asarray(t.numpy()) for t in (q, k, v)]
+    bias = None if mask is None else jnp.asarray(mask.numpy())
+    kw = dict(scale=scale, causal=causal, block_q=bq, block_k=bk)
+    out, lse = attention.blockwise_attention(*arrays, bias, **kw)
+    grads = attention.blockwise_attention_backward(jnp.asarray(g.numpy()), *arrays, out, lse, bias,
+                                                   bias_grad=learnable, **kw)
+    np.testing.assert_allclose(np.asarray(out), ref.detach().numpy(), atol=2e-6, rtol=1e-5)
+    for got, want in zip(grads, ref_in):
+        np.testing.assert_allclose(np.asarray(got), want.grad.numpy(), atol=1e-5, rtol=1e-4)
+    assert grads[3] is None or grads[3].shape == mask.shape
+
+
+def test_blockwise_dropout_backward_is_the_gradient_of_its_forward():
+    q, k, v, g = (jnp.asarray(_randn(1, 2, 19, 8, seed=s).numpy()) for s in range(4))
+    key = jax.random.key(7)
+    kw = dict(dropout_p=0.3, key=key, block_q=8, block_k=8)
+    out, vjp = jax.vjp(lambda a, b, c: attention.blockwise_attention(a, b, c, **kw)[0], q, k, v)
+    _, lse = attention.blockwise_attention(q, k, v, **kw)
+    got = attention.blockwise_attention_backward(g, q, k, v, out, lse, **kw)[:3]
+    for a, b in zip(got, vjp(g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def test_blockwise_score_mod_and_its_gradient():
+    q, k, v, g = (jnp.asarray(_randn(1, 2, 21, 8, seed=s).numpy()) for s in range(4))
+
+    def alibi(s, q_idx, k_idx):  # a score_mod with a gradient of its own (tanh soft-capping)
+        return 5.0 * jnp.tanh(s / 5.0) - 0.1 * jnp.abs(q_idx - k_idx)
+
+    def reference(a, b, c):
+        s = alibi(jnp.einsum("bhqd,bhkd->bhqk", a, b) / np.sqrt(8), jnp.arange(21)[:, None], jnp.arange(21)[None])
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), c)
+
+    kw = dict(score_mod=alibi, block_q=8, block_k=8)
+    out, lse = attention.blockwise_attention(q, k, v, **kw)
+    want, vjp = jax.vjp(reference, q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for a, b in zip(attention.blockwise_attention_backward(g, q, k, v, out, lse, **kw)[:3], vjp(g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def _sdpa_grads(device, fn, *tensors):
+    inputs = [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in tensors]
+    out = fn(*inputs)
+    out.backward(_randn(*out.shape, seed=9).to(device))
+    return [out.detach().cpu()] + [t.grad.cpu() for t in inputs if t.requires_grad]
+
+
+@pytest.mark.usefixtures("each_eager_mode", "no_fallback")
+@pytest.mark.parametrize("kind", ["causal", "bool", "additive", "gqa_scale"])
+def test_sdpa_on_tpu_matches_cpu(kind):
+    hk = 2 if kind == "gqa_scale" else 4
+    q, k, v = _randn(2, 4, 37, 16, seed=1), _randn(2, hk, 29, 16, seed=2), _randn(2, hk, 29, 16, seed=3)
+    mask = _mask(kind, 37, 29, 4)
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+
+    def fn(q, k, v, m=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=kind == "causal",
+                                              scale=0.2 if kind == "gqa_scale" else None,
+                                              enable_gqa=kind == "gqa_scale")
+
+    for got, want in zip(_sdpa_grads("tpu", fn, *tensors), _sdpa_grads("cpu", fn, *tensors)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_sdpa_beyond_one_block_on_tpu():
+    # 1100 > SINGLE_BLOCK: the lowering's own blocks (512), padded, with the causal skip
+    assert attention.block_sizes(1100, 1100) == (attention.BLOCK_Q, attention.BLOCK_K)
+    q, k, v = (_randn(1, 2, 1100, 8, seed=s) for s in range(3))
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for got, want in zip(_sdpa_grads("tpu", fn, q, k, v), _sdpa_grads("cpu", fn, q, k, v)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_sdpa_bfloat16():
+    q, k, v = (_randn(1, 2, 24, 16, seed=s).bfloat16() for s in range(3))
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    got, want = _sdpa_grads("tpu", fn, q, k, v), _sdpa_grads("cpu", fn, q, k, v)
+    assert got[0].dtype == torch.bfloat16
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("each_eager_mode", "no_fallback")
+def test_sdpa_dropout_is_reproducible_and_unbiased():
+    q, k = torch.zeros(1, 2, 64, 8, device="tpu"), torch.zeros(1, 2, 64, 8, device="tpu")
+    v = torch.ones(1, 2, 64, 8, device="tpu", requires_grad=True)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+        out.sum().backward()
+        grad, v.grad = v.grad.cpu(), None
+        return out.detach().cpu(), grad
+
+    first, again, other = run(0), run(0), run(1)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])
+    kept = (first[0][..., 0] != 0).float().mean()  # uniform weights 1/64: each kept one adds 1/(64*0.75)
+    assert 0.5 < float(first[0].mean()) < 1.5 and float(kept) > 0.9
+    # each weight is dropped or scaled by 1/(1-p): dV's columns are the kept weights summed over rows
+    assert abs(float(first[1].mean()) - 1.0) < 0.05
+    assert set(torch.unique((first[0] * 64 * 0.75).round()).tolist()) <= set(range(0, 65))
+
+
+def _backend_of(out) -> str:
+    return type(out.grad_fn).__name__
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_sdpa_kernel_selects_the_backend():
+    q, k, v = (_randn(1, 2, 8, 4, seed=s).to("tpu").requires_grad_() for s in range(3))
+    assert "FusedAttentionOverrideable" in _backend_of(F.scaled_dot_product_attention(q, k, v))
+    for fused in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.OVERRIDEABLE):
+        with sdpa_kernel([fused]):
+            assert "FusedAttentionOverrideable" in _backend_of(F.scaled_dot_product_attention(q, k, v))
+            assert torch._fused_sdp_choice(q, k, v) == SDPBackend.OVERRIDEABLE.value
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert "FusedAttention" not in _backend_of(math)
+        assert torch._fused_sdp_choice(q, k, v) == SDPBackend.MATH.value
+    torch.testing.assert_close(math, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # float64 and 3-d inputs take the math path; with it disabled, PyTorch's error
+    assert "FusedAttention" not in _backend_of(F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="No viable backend"):
+        F.scaled_dot_product_attention(q[0], k[0], v[0])
+
+
+@pytest.mark.usefixtures("no_fallback")
+@pytest.mark.parametrize("backend", [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+def test_sdpa_compiled(backend):
+    q, k, v = _randn(2, 4, 20, 8, seed=1), _randn(2, 2, 20, 8, seed=2), _randn(2, 2, 20, 8, seed=3)
+    mask = _randn(20, 20, seed=4)
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    torch._dynamo.reset()
+    with sdpa_kernel([backend]):
+        got = _sdpa_grads("tpu", torch.compile(fn, backend="tpu"), q, k, v, mask)
+    for a, b in zip(got, _sdpa_grads("cpu", fn, q, k, v, mask)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_platform_overrides_are_registered_and_fall_back():
+    low = registry.LOWERINGS[FUSED]
+    assert low.impl("gpu") is attention.fused_attention_gpu
+    assert registry.LOWERINGS[FUSED_BACKWARD].impl("gpu") is attention.fused_attention_backward_gpu
+    assert low.impl("cpu") is attention.fused_attention
+    if attention._pallas is not None:
+        assert low.impl("tpu") is attention.fused_attention_tpu
+    # float32 and dropout are not cuDNN's: the override hands them to the generic lowering
+    q, k, v = (jnp.asarray(_randn(1, 2, 6, 8, seed=s).numpy()) for s in range(3))
+    registry.check_override(FUSED, "gpu", q, k, v, None, 0.0, True, key=jax.random.key(0))
