@@ -79,7 +79,7 @@ def test_matches_cpu(case, compiled):
     dense.backward(torch.ones_like(dense) * 0.1 + dense.detach())
 
     score_tpu, mask_tpu = _case(case, "tpu")
-    fn = torch.compile(flex_attention, backend="tpu") if compiled else flex_attention
+    fn = torch.compile(flex_attention, backend="tpu", fullgraph=True) if compiled else flex_attention
     out, grads = _run_tpu(fn, qkv, score_tpu, mask_tpu)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     for got, leaf in zip(grads, leaves):

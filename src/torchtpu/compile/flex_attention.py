@@ -27,8 +27,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtpu import caches
-from torchtpu.compile import graph as graph_lowering
-from torchtpu.compile.backend import decompositions
+from torchtpu.compile import backend, graph as graph_lowering
 from torchtpu.device import bridge
 from torchtpu.ops import flex_attention as flex
 
@@ -120,7 +119,7 @@ def _aten_graph(fn: Callable, examples: list) -> GraphModule:
     if gm is None:
         with TransformGetItemToIndex():  # buffer[h] with a tensor index traces as aten.index
             # tensors a plain function closes over (no dynamo to lift them) become constants
-            gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake",
+            gm = make_fx(fn, decomposition_table=backend.decompositions(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*examples)
         _graphs[key] = gm
     return gm
