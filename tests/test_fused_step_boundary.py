@@ -68,3 +68,33 @@ def test_zeroing_gradients_after_the_step_lands_in_the_next_program():
     assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     assert _delta(before, after, "materializations").get("optimizer_step") == STEPS  # the last zeroing cut too
     assert _delta(before, after, "program_cache_hits") >= STEPS - 4
+
+
+def test_a_hand_written_loop_without_reads_is_cut_where_it_repeats():
+    torch.manual_seed(0)
+    w0, x = torch.randn(16, 16), torch.randn(8, 16)
+
+    def train(mode, steps=200):
+        w, xs = w0.to("tpu"), x.to("tpu")
+        with torch.tpu.set_eager_mode(mode):
+            for _ in range(steps):  # no optimizer, no read: only the op sequence marks the steps
+                h = (xs @ w).tanh()
+                w = w - 0.01 * (xs.t() @ (1 - h * h))
+            return w.cpu()
+
+    expected = train(torch.tpu.EagerMode.DEFER_NEVER)
+    before = fused.stats()
+    assert_close(train(torch.tpu.EagerMode.DEFER_AND_FUSE), expected, rtol=1e-5, atol=1e-6)
+    after = fused.stats()
+    reasons = _delta(before, after, "materializations")
+    assert reasons.get("repeat", 0) >= 3 and "graph_size" not in reasons
+    # the recording up to the first period found, then the same run of whole periods every time
+    assert _delta(before, after, "program_cache_hits") >= reasons["repeat"] - 2
+
+
+def test_tail_period():
+    a, b, c = object(), object(), object()
+    assert fused._tail_period([a, b, c] * 3) == 3
+    assert fused._tail_period([c, a, b, a, b, a, b]) == 0  # not periodic from its start
+    assert fused._tail_period([a, b, c, a, b]) == 0  # fewer than two repeats
+    assert fused._tail_period([a] * 5) == 1

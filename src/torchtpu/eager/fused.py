@@ -37,6 +37,11 @@ MAX_NODES = 4096
 # few ops, e.g. a loop that reads a value after every handful of ops).
 SPLIT_AT_READ = True
 SPLIT_MIN_NODES = 16
+# A loop that reads nothing and steps no torch optimizer (a hand-written update) is cut where its
+# op sequence repeats: at these recording lengths the last half is searched for a period, and once
+# one is found the recording is cut after every PERIOD_MIN_NODES or more ops of it (whole periods).
+PERIOD_CHECKS = (512, 1024, 2048)
+PERIOD_MIN_NODES = 256
 
 
 class Deferred(bridge.Lazy):
@@ -158,6 +163,10 @@ class FusedExecutor:
         self.graph = _Graph(self)
         self.lock = threading.RLock()
         self.step_ended = False  # an optimizer step ended since the last flush: cut before the next op
+        self.find_periods = True  # until an optimizer step marks where steps end
+        self.check_at = PERIOD_CHECKS[0]  # the recording length at which to look for a period next
+        self.period: list | None = None  # the functions of a repeating run of ops being followed
+        self.period_pos = 0  # where in it the next op should be
 
     # ------------------------------------------------------------ recording
     def call(self, fn, *args):
@@ -165,6 +174,7 @@ class FusedExecutor:
         # node's references and its shape key; output avals come from a cache after the first call.
         with self.lock:
             if self.step_ended:
+                self.find_periods = False
                 self.flush("optimizer_step")
             graph = self.graph
             keys = []
@@ -192,11 +202,39 @@ class FusedExecutor:
             graph.nodes.append((fn, tuple(refs), len(flat)))
             outs = [Deferred(graph, node, i, k) for i, k in enumerate(flat)]
             graph.outputs.append([weakref.ref(d) for d in outs])
-            if node + 1 >= MAX_NODES:
-                self.flush("graph_size")
+            if self.period is not None:
+                self._follow_period(fn)
+            elif node + 1 >= self.check_at:
+                self._look_for_period(node + 1)
             if single:
                 return outs[0]
             return tuple(outs) if is_tuple else outs
+
+    def _look_for_period(self, length: int) -> None:
+        """At a checkpoint or the size bound: cut here if the recording's last half repeats, and
+        from now on after each whole number of its periods."""
+        fns = [node[0] for node in self.graph.nodes]
+        period = _tail_period(fns[length // 2:]) if self.find_periods else 0
+        if period:
+            repeats = -(-PERIOD_MIN_NODES // period)
+            # a periodic sequence continues with what came one period earlier: follow that
+            self.period, self.period_pos = fns[length - period:] * repeats, 0
+            self.flush("repeat")
+        elif length >= MAX_NODES:
+            self.flush("graph_size")
+        else:
+            self.check_at = next((n for n in PERIOD_CHECKS if n > length), MAX_NODES)
+
+    def _follow_period(self, fn) -> None:
+        """Check the op just recorded against the period followed; cut after each whole run of it."""
+        if self.period[self.period_pos] is not fn:  # the loop changed: look for a period afresh
+            self.period = None
+            self.check_at = max(len(self.graph.nodes) + 1, PERIOD_CHECKS[0])
+            return
+        self.period_pos += 1
+        if self.period_pos == len(self.period):
+            self.period_pos = 0
+            self.flush("repeat")
 
     # ------------------------------------------------------------ running
     def flush(self, reason: str, wanted=()) -> None:
@@ -209,6 +247,7 @@ class FusedExecutor:
         """
         with self.lock:
             self.step_ended = False
+            self.check_at = PERIOD_CHECKS[0] if self.find_periods and self.period is None else MAX_NODES
             graph = self.graph
             if not graph.nodes:
                 return
@@ -274,6 +313,21 @@ def _lost(value: Deferred) -> RuntimeError:
         return RuntimeError(f"tpu: this tensor has no value: {value.graph.error} failed before computing it "
                             f"(that error was raised then); recompute the tensor")
     return RuntimeError("tpu: a deferred value was lost (its graph was discarded without running it)")
+
+
+def _tail_period(seq: list) -> int:
+    """The smallest period of ``seq`` if it repeats at least twice, else 0 (KMP's failure function:
+    the longest proper prefix that is also a suffix leaves the period)."""
+    fail = [0] * len(seq)
+    k = 0
+    for i in range(1, len(seq)):
+        while k and seq[i] is not seq[k]:
+            k = fail[k - 1]
+        if seq[i] is seq[k]:
+            k += 1
+        fail[i] = k
+    period = len(seq) - fail[-1] if seq else 0
+    return period if 0 < period <= len(seq) // 2 else 0
 
 
 def _needed_nodes(graph: _Graph, roots: set[int]) -> list[int]:
