@@ -49,7 +49,7 @@ _state.on_start(_start_layers)
 # Public names whose modules import JAX: imported on first access.
 _LAZY = {"EagerMode": ("torchtpu.eager.modes", "EagerMode"), "memory_summary": ("torchtpu.memory", "memory_summary"),
          "debug": ("torchtpu.debug", None), "metrics": ("torchtpu.metrics", None),
-         "profiler": ("torchtpu.profiler", None)}
+         "profiler": ("torchtpu.profiler", None), "jax_op": ("torchtpu.jax_ops", "jax_op")}
 
 
 def __getattr__(name: str):
@@ -61,4 +61,4 @@ def __getattr__(name: str):
     return value if attribute is None else getattr(value, attribute)
 
 
-__all__ = ["EagerMode", "debug", "memory_summary", "metrics", "profiler", "__version__"]
+__all__ = ["EagerMode", "debug", "jax_op", "memory_summary", "metrics", "profiler", "__version__"]

@@ -43,7 +43,8 @@ def _row_coefficients(target, weight, n: int, reduction: str, ignore_index: int,
         coef = jnp.where(keep, weight.astype(acc)[jnp.where(keep, target, 0)], 0)
     if reduction == "mean":
         total = coef.sum()
-        coef = coef / jnp.where(total == 0, jnp.nan, total)
+        # (not coef / where(total == 0, nan, total): XLA:CPU folds that to 0 under jit)
+        coef = jnp.where(total == 0, jnp.nan, coef / total)
     return coef
 
 
