@@ -214,6 +214,20 @@ def test_cpu_fallback_writes_back_inplace_args():
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"]["aten.mul_.Scalar"] == 1
 
 
+def test_cpu_fallback_writes_back_mutated_tensor_lists():
+    """Ops that mutate a Tensor[] (fused optimizers) get every element written back: AdamW(fused=True)
+    on tpu left exp_avg at zero and trained wrongly before."""
+    from torchtpu.eager.fallback import cpu_fallback
+
+    xs, ys = [torch.randn(3), torch.randn(2, 2)], [torch.randn(3), torch.randn(2, 2)]
+    ts = [x.to("tpu") for x in xs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpu_fallback(torch.ops.aten._foreach_add_.List, ts, [y.to("tpu") for y in ys])
+    for t, x, y in zip(ts, xs, ys):
+        assert_close(t.cpu(), x + y)
+
+
 # ---------------------------------------------------------------- errors
 
 def test_mixed_devices_error_message():

@@ -169,12 +169,16 @@ def _cpu_fallback(op, *args, **kwargs):
     positional = [a for a in schema.arguments if not a.kwarg_only][: len(args)]
     named = positional + [a for a in schema.arguments if a.kwarg_only]
     for arg, orig, cpu in zip(named, flat_inputs, flat_cpu):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(orig, torch.Tensor) \
-                and orig.device.type == "tpu":
-            if tuple(orig.shape) != tuple(cpu.shape):
-                orig.resize_(cpu.shape)
-            bridge.write(orig, transfer.to_device(cpu, orig.get_device()))
-            aliased[id(cpu)] = orig
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        # a mutated Tensor[] (the _foreach_* and _fused_* optimizer ops) is written back element-wise
+        pairs = zip(orig, cpu) if isinstance(orig, (list, tuple)) else ((orig, cpu),)
+        for tensor, host in pairs:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "tpu":
+                if tuple(tensor.shape) != tuple(host.shape):
+                    tensor.resize_(host.shape)
+                bridge.write(tensor, transfer.to_device(host, tensor.get_device()))
+                aliased[id(host)] = tensor
     return tree_map(lambda x: aliased[id(x)] if id(x) in aliased else to_tpu(x), result)
 
 
