@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchtpu import caches
-from torchtpu.compile import backend, graph as graph_lowering
+from torchtpu.compile import graph as graph_lowering
 from torchtpu.device import bridge
 from torchtpu.ops import flex_attention as flex
 
@@ -117,9 +117,11 @@ def _aten_graph(fn: Callable, examples: list) -> GraphModule:
     key = (fn, tuple((tuple(e.shape), e.dtype, e.device) for e in examples))
     gm = _graphs.get(key)
     if gm is None:
+        from torchtpu.compile.backend import decompositions  # backend -> graph -> here: import at use
+
         with TransformGetItemToIndex():  # buffer[h] with a tensor index traces as aten.index
             # tensors a plain function closes over (no dynamo to lift them) become constants
-            gm = make_fx(fn, decomposition_table=backend.decompositions(), tracing_mode="fake",
+            gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*examples)
         _graphs[key] = gm
     return gm
