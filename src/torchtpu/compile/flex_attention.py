@@ -22,7 +22,11 @@ from typing import Callable
 import jax
 import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-from torch._higher_order_ops.flex_attention import _captured_grad_buffer_mask
+try:
+    from torch._higher_order_ops.flex_attention import _captured_grad_buffer_mask
+except ImportError:  # torch < 2.14 has no such helper: it materialises every capture's gradient
+    def _captured_grad_buffer_mask(joint_graph, num_captures: int) -> tuple[bool, ...]:
+        return (True,) * num_captures
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
