@@ -3,7 +3,8 @@
 ``torch.compile(fn)`` with no backend uses dynamo's default backend, which we set to a router:
 a graph with ``tpu`` tensors goes to the ``tpu`` backend, any other to Inductor exactly as before.
 An explicit ``backend="inductor"`` given ``tpu`` tensors raises an error naming ``backend="tpu"``
-instead of failing deep inside Inductor's code generation.
+instead of failing deep inside Inductor's code generation. torch 2.11 and 2.12 cannot set the
+default backend, so there Inductor itself hands graphs on tpu to the ``tpu`` backend.
 """
 
 from __future__ import annotations
@@ -44,9 +45,23 @@ def _inductor(mode, options) -> Callable:
     return torch._TorchCompileInductorWrapper(mode, options, None)
 
 
+def _default_settable() -> bool:
+    """Whether dynamo's default backend can be set: torch >= 2.13 (``set_default_backend``)."""
+    from torch._dynamo.backends import registry
+
+    return hasattr(registry, "set_default_backend")
+
+
 def _guarded_inductor_call(original: Callable) -> Callable:
     def __call__(self, model_, inputs_):
         if on_tpu(model_, inputs_):
+            if not _default_settable():
+                # torch 2.11/2.12: torch.compile(fn) passes the string "inductor", which cannot be
+                # told from an explicit choice, so the router cannot be installed: tpu graphs that
+                # reach Inductor go to the tpu backend (without the XLA options: use backend="tpu").
+                from torchtpu.compile.backend import backend
+
+                return backend(model_, inputs_)
             raise RuntimeError(
                 "torch.compile(backend=\"inductor\") cannot compile for the tpu device: Inductor "
                 "generates CPU/GPU kernels. Use torch.compile(fn, backend=\"tpu\"), or leave out "
@@ -59,10 +74,11 @@ def _guarded_inductor_call(original: Callable) -> Callable:
 
 def set_default() -> None:
     """Make torch.compile's default backend the router (a default the user chose is kept)."""
-    from torch._dynamo.backends.registry import get_default_backend, set_default_backend
+    from torch._dynamo.backends import registry
 
-    if get_default_backend() == "inductor":
-        set_default_backend(default_backend)
+    # torch 2.11/2.12 have no settable default: the Inductor wrapper routes (_guarded_inductor_call)
+    if _default_settable() and registry.get_default_backend() == "inductor":
+        registry.set_default_backend(default_backend)
 
 
 def guard_inductor() -> None:
