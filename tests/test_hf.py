@@ -1,0 +1,281 @@
+"""Hugging Face Transformers + Accelerate on ``tpu``: loading, generation, pipelines, Trainer.
+
+Every model is a tiny random Llama built from a config and saved as safetensors into a temporary
+folder; the tokenizer is trained here on the corpus shipped with torchtpu. Nothing is downloaded.
+Outputs are compared with the same checkpoint run by PyTorch on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed (pip install 'torchtpu[hf]')")
+pytest.importorskip("accelerate", reason="the hf extra is not installed (pip install 'torchtpu[hf]')")
+pytest.importorskip("tokenizers", reason="the hf extra is not installed (pip install 'torchtpu[hf]')")
+
+SPECIALS = ["<unk>", "<pad>", "<s>", "</s>"]
+PROMPTS = ["the clockmaker kept a narrow shop", "the moon went on rising and"]
+
+
+def corpus_path() -> str:
+    return str(importlib.resources.files("torchtpu") / "data" / "tiny_corpus.txt")
+
+
+def build_tokenizer():
+    """A word-level tokenizer trained on torchtpu's tiny corpus (its 1024 commonest words)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([corpus_path()], trainers.WordLevelTrainer(vocab_size=1024, special_tokens=SPECIALS))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def tiny_config(tokenizer, **overrides):
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    sizes.update(overrides)
+    return transformers.LlamaConfig(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, **sizes)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer):
+    """A random tiny Llama saved with save_pretrained (safetensors) and its tokenizer."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_config(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert (path / "model.safetensors").exists()
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_model(checkpoint):
+    return transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+
+
+@pytest.fixture(scope="module")
+def tpu_model(checkpoint):
+    return transformers.LlamaForCausalLM.from_pretrained(checkpoint, device_map="tpu").eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    ids = tokenizer(PROMPTS, return_tensors="pt")["input_ids"]
+    assert ids.shape == (2, 6) and (ids != tokenizer.unk_token_id).all()
+    return ids
+
+
+def devices_of(model) -> set[str]:
+    return {str(p.device) for p in model.parameters()}
+
+
+def assert_logits_match(model, cpu_model, ids):
+    with torch.no_grad():
+        got = model(ids.to("tpu")).logits.cpu()
+        want = cpu_model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_from_pretrained_device_map_tpu(tpu_model, cpu_model, prompt_ids):
+    assert devices_of(tpu_model) == {"tpu:0"}
+    assert_logits_match(tpu_model, cpu_model, prompt_ids)
+
+
+def test_device_map_auto_with_a_tpu_budget(checkpoint, cpu_model, prompt_ids):
+    """'auto' fills ``tpu:0`` once max_memory names it: integer keys are accelerator indices,
+    and ``torch.device(0)`` is ``tpu:0`` when tpu is the accelerator."""
+    free, _ = torch.tpu.mem_get_info(0)
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, device_map="auto", max_memory={0: free})
+    assert devices_of(model) == {"tpu:0"}
+    assert_logits_match(model, cpu_model, prompt_ids)
+
+
+@pytest.mark.xfail(strict=True, reason="accelerate's get_max_memory reads memory figures for CUDA, NPU, MLU, "
+                   "SDAA, MUSA, XPU and HPU only, so 'auto' alone sees no tpu memory and places every "
+                   "module on CPU; pass max_memory={0: ...} (README, Hugging Face)")
+def test_device_map_auto_alone(checkpoint):
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, device_map="auto")
+    assert devices_of(model) == {"tpu:0"}
+
+
+RSS_CHILD = textwrap.dedent("""
+    import json, os, resource, sys
+    import torch, transformers
+    def rss(field):  # bytes, from /proc/self/status
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    path, warm = sys.argv[1], sys.argv[2]
+    transformers.LlamaForCausalLM.from_pretrained(warm, device_map="tpu")  # imports and programs, once
+    torch.tpu.synchronize()
+    open("/proc/self/clear_refs", "w").write("5")  # resets the peak (VmHWM) to the current RSS
+    base, device_before = rss("VmRSS"), torch.tpu.memory_allocated()
+    model = transformers.LlamaForCausalLM.from_pretrained(path, device_map="tpu")
+    torch.tpu.synchronize()
+    print(json.dumps({"base": base, "peak": rss("VmHWM"),
+                      "device": torch.tpu.memory_allocated() - device_before,
+                      "on_tpu": all(p.device.type == "tpu" for p in model.parameters())}))
+""")
+
+
+@pytest.mark.slow
+def test_load_peak_host_memory(tmp_path, tokenizer, checkpoint):
+    """Peak RSS while loading a 67 MB checkpoint to tpu stays within 1.3x its size on top of the
+    device's own buffers (on XLA:CPU those live in host memory too, so they are allowed for)."""
+    path = tmp_path / "big"
+    torch.manual_seed(0)
+    config = tiny_config(tokenizer, vocab_size=32000, hidden_size=256, intermediate_size=512,
+                         tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    size = (path / "model.safetensors").stat().st_size
+    assert size > 50 * 2**20
+    env = dict(os.environ, TORCHTPU_PLATFORM="cpu")
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), str(checkpoint)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["on_tpu"]
+    assert got["device"] >= 0.95 * size  # the parameters really went to the device
+    host = got["peak"] - got["base"] - got["device"]
+    assert host <= 1.3 * size, f"peak host memory {host / size:.2f}x the checkpoint"
+
+
+# ---------------------------------------------------------------- generate
+
+GEN = dict(max_new_tokens=6, pad_token_id=1)
+
+
+def test_generate_greedy_matches_cpu(tpu_model, cpu_model, prompt_ids):
+    got = tpu_model.generate(prompt_ids.to("tpu"), do_sample=False, **GEN)
+    assert got.device.type == "tpu"
+    assert torch.equal(got.cpu(), cpu_model.generate(prompt_ids, do_sample=False, **GEN))
+
+
+def test_generate_sampling_is_seeded(tpu_model, cpu_model, prompt_ids):
+    """Sampling draws from the tpu generator: the same seed (or a restored generator state) gives
+    the same tokens. Its stream differs from CPU's, so only top_k=1 is compared with CPU."""
+    ids = prompt_ids.to("tpu")
+
+    def sample(seed=None, **kw):
+        if seed is not None:
+            torch.manual_seed(seed)
+        return tpu_model.generate(ids, do_sample=True, **GEN, **kw).cpu()
+
+    first = sample(7)
+    assert torch.equal(sample(7), first)
+    assert not torch.equal(sample(8), first)
+    state = torch.tpu.get_rng_state()
+    again = sample()
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(sample(), again)
+    assert torch.equal(sample(7, top_k=1), cpu_model.generate(prompt_ids, do_sample=False, **GEN))
+
+
+@pytest.mark.slow
+def test_generate_beam_search_matches_cpu(tpu_model, cpu_model, prompt_ids):
+    kw = dict(num_beams=2, do_sample=False, **GEN)
+    got = tpu_model.generate(prompt_ids.to("tpu"), **kw)
+    assert torch.equal(got.cpu(), cpu_model.generate(prompt_ids, **kw))
+
+
+@pytest.mark.slow
+def test_generate_static_cache_compiled_matches_cpu(checkpoint, cpu_model, prompt_ids):
+    """A static cache makes transformers compile the decode step, through the "tpu" backend."""
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, device_map="tpu").eval()
+    got = model.generate(prompt_ids.to("tpu"), do_sample=False, cache_implementation="static", **GEN)
+    assert model._last_compile_config.backend == "tpu"  # the decode step ran compiled
+    assert torch.equal(got.cpu(), cpu_model.generate(prompt_ids, do_sample=False, **GEN))
+
+
+def test_pipeline_text_generation(tpu_model, cpu_model, tokenizer):
+    kw = dict(max_new_tokens=6, do_sample=False, batch_size=2)  # the shapes the other tests compiled
+    tpu_pipe = transformers.pipeline("text-generation", model=tpu_model, tokenizer=tokenizer, device="tpu")
+    assert tpu_pipe.device.type == "tpu"
+    cpu_pipe = transformers.pipeline("text-generation", model=cpu_model, tokenizer=tokenizer, device="cpu")
+    got = [out[0]["generated_text"] for out in tpu_pipe(PROMPTS, **kw)]
+    assert got == [out[0]["generated_text"] for out in cpu_pipe(PROMPTS, **kw)]
+    assert all(len(text.split()) > len(prompt.split()) for text, prompt in zip(got, PROMPTS))
+
+
+# ---------------------------------------------------------------- Trainer
+
+
+class CorpusChunks(torch.utils.data.Dataset):
+    """Fixed-length chunks of the tokenized corpus, labels = inputs (causal LM)."""
+
+    def __init__(self, tokenizer, length=16, count=32):
+        ids = tokenizer(open(corpus_path()).read())["input_ids"]
+        self.chunks = [torch.tensor(ids[i * length:(i + 1) * length]) for i in range(count)]
+
+    def __len__(self):
+        return len(self.chunks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.chunks[i], "labels": self.chunks[i]}
+
+
+def train(checkpoint, tokenizer, tmp_path, **args):
+    """Four Trainer steps from the saved checkpoint; returns (model, losses)."""
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, logging_steps=1,
+        report_to=[], save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, **args)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=CorpusChunks(tokenizer))
+    trainer.train()
+    return trainer.model, [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.fixture(scope="module")
+def cpu_losses(checkpoint, tokenizer, tmp_path_factory):
+    model, losses = train(checkpoint, tokenizer, tmp_path_factory.mktemp("cpu_run"), use_cpu=True)
+    assert devices_of(model) == {"cpu"}
+    return losses
+
+
+def test_trainer_on_tpu_matches_cpu(checkpoint, tokenizer, tmp_path, cpu_losses, monkeypatch):
+    """With accelerate told the device (its one setting for a device it does not know), Trainer
+    trains on tpu, and its losses follow the CPU run's."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "tpu")
+    model, losses = train(checkpoint, tokenizer, tmp_path)
+    assert devices_of(model) == {"tpu:0"}
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.xfail(strict=True, reason="accelerate's PartialState.default_device knows MPS, MLU, SDAA, MUSA, "
+                   "NPU, HPU, CUDA, XPU and Neuron only, so Trainer's Accelerator moves the model back to "
+                   "cpu while TrainingArguments sends batches to tpu:0; set ACCELERATE_TORCH_DEVICE=tpu")
+def test_trainer_on_tpu_without_setting(checkpoint, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
+    model, _ = train(checkpoint, tokenizer, tmp_path)
+    assert devices_of(model) == {"tpu:0"}
+
+
+@pytest.mark.slow
+def test_trainer_bf16_autocast(checkpoint, tokenizer, tmp_path, cpu_losses, monkeypatch):
+    """bf16=True trains under torch.autocast("tpu", bfloat16): losses near the fp32 CPU run's."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "tpu")
+    model, losses = train(checkpoint, tokenizer, tmp_path, bf16=True)
+    assert devices_of(model) == {"tpu:0"}
+    assert losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=5e-2, rtol=2e-2)
