@@ -30,6 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, GPTConfig  # noqa: E402
 
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
+
 from torchtpu.eager import fused  # noqa: E402
 
 MODES = ["DEFER_NEVER", "DEFER_NEVER_AND_LAUNCH_BLOCKING", "DEFER_AND_FUSE", "compiled"]
@@ -177,29 +179,83 @@ READS = {f"{mode}, {when}": (mode, when == "every step") for mode in ("DEFER_NEV
          for when in ("every step", "at the end")}
 
 
-def reads_table(title: str, make_step, steps: int, rounds: int, warmup: int) -> dict[str, float]:
+def reads_table(title: str, make_step, steps: int, rounds: int, warmup: int, reads: str = "") -> dict[str, float]:
     """The same loop reading its loss every step or only after the last step, in DEFER_NEVER and
-    DEFER_AND_FUSE: the fused mode must find the step boundary itself when nothing is read."""
+    DEFER_AND_FUSE: the fused mode must find the step boundary itself when nothing is read.
+    ``reads``: only the variants that read this way ("every step" or "at the end")."""
     print(f"\n## {title}\n")
-    seconds, hit_rate, ops = interleaved_runs(make_step, READS, steps, rounds, warmup)
+    variants = {label: v for label, v in READS.items() if label.endswith(reads)}
+    seconds, hit_rate, _ = interleaved_runs(make_step, variants, steps, rounds, warmup)
     rates = {label: 1 / s for label, s in seconds.items()}
     print("| mode | loss read | steps/s | vs DEFER_NEVER, same reads |")
     print("| --- | --- | ---: | ---: |")
     for label, rate in rates.items():
         mode, when = label.split(", ")
         print(f"| {mode} | {when} | {rate:.2f} | {rate / rates['DEFER_NEVER, ' + when]:.2f}x |")
+    if len(rates) < len(READS):
+        return rates
     at_end, every = rates["DEFER_AND_FUSE, at the end"], rates["DEFER_AND_FUSE, every step"]
     print(f"\nRead at the end: DEFER_AND_FUSE / DEFER_NEVER = {at_end / rates['DEFER_NEVER, at the end']:.2f}x; "
           f"DEFER_AND_FUSE read at the end / read every step = {at_end / every:.2f}x; fused cache hit rate "
-          f"{hit_rate:.1%} after warm-up; {ops / 2:.0f} ops recorded per fused step")
+          f"{hit_rate:.1%} after warm-up")
     return rates
+
+
+BOUNDARIES = ("optimizer step", "repeated ops", "both (default)")
+
+
+def _fused_run(step, boundary: str, steps: int) -> float:
+    """Seconds for ``steps`` DEFER_AND_FUSE steps read only at the end, the step boundary found by
+    ``boundary`` alone (the other mechanism switched off for this run)."""
+    with _context("DEFER_AND_FUSE"):
+        if boundary == "optimizer step":
+            fused.current_executor().find_periods = False
+        elif boundary == "repeated ops":  # the hook is process-wide: off only while this run records
+            fused._step_hook.remove()
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = step()
+            loss.item()
+            torch.tpu.synchronize()
+            return time.perf_counter() - start
+        finally:
+            if boundary == "repeated ops":
+                fused._step_hook = register_optimizer_step_post_hook(fused._optimizer_step_ended)
+
+
+def boundary_table(title: str, make_step, steps: int, rounds: int, warmup: int) -> None:
+    """Which step-boundary mechanism works: each alone and both, on a loop that reads at the end."""
+    print(f"\n## {title}\n")
+    runners, counts = {}, {}
+    for boundary in BOUNDARIES:
+        runners[boundary] = make_step()
+        before = fused.stats()
+        _fused_run(runners[boundary], boundary, warmup)  # the first step differs (AdamW makes its state) ...
+        _fused_run(runners[boundary], boundary, steps)  # ... so programs that span steps repeat from the next run
+        after = fused.stats()
+        counts[boundary] = {k: after[k] - before[k] for k in ("programs_compiled", "program_cache_hits")}
+    times: dict[str, list[float]] = {b: [] for b in BOUNDARIES}
+    for _ in range(rounds):
+        for boundary in BOUNDARIES:
+            before = fused.stats()["programs_compiled"]
+            times[boundary].append(_fused_run(runners[boundary], boundary, steps) / steps)
+            counts[boundary]["timed"] = counts[boundary].get("timed", 0) + fused.stats()["programs_compiled"] - before
+    print("| step boundary found by | steps/s | programs compiled in warm-up | in timed rounds |")
+    print("| --- | ---: | ---: | ---: |")
+    for boundary in BOUNDARIES:
+        c = counts[boundary]
+        rate = 1 / statistics.median(times[boundary])
+        print(f"| {boundary} | {rate:.2f} | {c['programs_compiled']} | {c['timed']} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every mode")
-    parser.add_argument("--tables", default="mlp,gpt,reads", help="which tables, comma-separated")
+    parser.add_argument("--tables", default="mlp,gpt,reads,boundary", help="which tables, comma-separated")
+    parser.add_argument("--reads", default="", choices=["", "every step", "at the end"],
+                        help="the reads table's loops: only those that read this way (default: both)")
     args = parser.parse_args()
     quick, tables = args.quick, args.tables.split(",")
     floor = python_kernel_floor()
@@ -219,11 +275,20 @@ def main() -> None:
               steps=3 if quick else 5, rounds=args.rounds, warmup=2, floor=floor)
     if "reads" in tables:
         reads_table("Small GPT (d_model 64, 2 layers, seq 32, batch 1, AdamW): loss read every step or at the end",
-                    lambda: make_gpt_loop(small, 1), steps=10 if quick else 20, rounds=args.rounds, warmup=3)
+                    lambda: make_gpt_loop(small, 1), steps=10 if quick else 20, rounds=args.rounds, warmup=3,
+                    reads=args.reads)
+        reads_table(f"Elementwise-heavy MLP ({depth} layers of {width}, batch {batch}, hand-written SGD update, no "
+                    f"optimizer): loss read every step or at the end", lambda: make_mlp_loop(width, depth, batch),
+                    steps=10 if quick else 20, rounds=args.rounds, warmup=12, reads=args.reads)
         if not quick:
             reads_table(f"GPT (d_model {config.d_model}, {config.n_layer} layers, seq {config.block_size}, "
                         f"batch {gpt_batch}, AdamW): loss read every step or at the end",
-                        lambda: make_gpt_loop(config, gpt_batch), steps=5, rounds=args.rounds, warmup=3)
+                        lambda: make_gpt_loop(config, gpt_batch), steps=5, rounds=args.rounds, warmup=3,
+                        reads=args.reads)
+    if "boundary" in tables:
+        boundary_table("Small GPT read at the end in DEFER_AND_FUSE: which mechanism finds the step boundary",
+                       lambda: make_gpt_loop(small, 1), steps=20, rounds=args.rounds, warmup=12)
+
 
 if __name__ == "__main__":
     main()
