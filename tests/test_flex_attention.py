@@ -24,17 +24,17 @@ def _window(b, h, q, kv):
 
 
 def _case(name: str, device: str):
-    """(score_mod, mask_mod) of a named case, closing over tensors on ``device``."""
+    """(score_mod, mask_mod, the tensors they close over that take gradients) on ``device``."""
     if name == "causal":
-        return None, _causal
+        return None, _causal, []
     if name == "sliding_window":
-        return None, _window
+        return None, _window, []
     if name == "document":
         doc = torch.tensor([0] * 50 + [1] * 30 + [2] * 48, device=device)
-        return None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)
+        return None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), []
     if name == "alibi":
-        slopes = torch.tensor([0.5, 0.125], device=device)
-        return (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)), _causal
+        slopes = torch.tensor([0.5, 0.125], device=device, requires_grad=True)
+        return (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)), _causal, [slopes]
     raise ValueError(name)
 
 
@@ -54,12 +54,12 @@ def _inputs(seed=0):
     return [torch.randn(B, H, L, E, generator=gen) for _ in range(3)]
 
 
-def _run_tpu(fn, qkv, score_mod, mask_mod):
+def _run_tpu(fn, qkv, score_mod, mask_mod, captured):
     block_mask = create_block_mask(mask_mod, B, H, L, L, device="tpu", BLOCK_SIZE=BLOCK)
     leaves = [x.to("tpu").requires_grad_() for x in qkv]
     out = fn(*leaves, score_mod=score_mod, block_mask=block_mask)
     out.backward(torch.ones_like(out) * 0.1 + out.detach())
-    return out.cpu(), [x.grad.cpu() for x in leaves]
+    return out.cpu(), [x.grad.cpu() for x in leaves + captured]
 
 
 _FAST = {("document", False), ("alibi", True)}  # captured mask and score buffers; the rest: -m slow
@@ -71,18 +71,20 @@ _CASES = [pytest.param(case, compiled, id=f"{case}-{'compiled' if compiled else 
 @pytest.mark.parametrize("case,compiled", _CASES)
 def test_matches_cpu(case, compiled):
     qkv = _inputs()
-    score_cpu, mask_cpu = _case(case, "cpu")
+    score_cpu, mask_cpu, captured_cpu = _case(case, "cpu")
     block_mask = create_block_mask(mask_cpu, B, H, L, L, device="cpu", BLOCK_SIZE=BLOCK)
-    expected = flex_attention(*qkv, score_mod=score_cpu, block_mask=block_mask)
+    with torch.no_grad():  # CPU flex_attention has no backward
+        expected = flex_attention(*qkv, score_mod=score_cpu, block_mask=block_mask)
     leaves = [x.clone().requires_grad_() for x in qkv]
     dense = _dense_reference(*leaves, score_cpu, mask_cpu)
     dense.backward(torch.ones_like(dense) * 0.1 + dense.detach())
 
-    score_tpu, mask_tpu = _case(case, "tpu")
+    score_tpu, mask_tpu, captured_tpu = _case(case, "tpu")
     fn = torch.compile(flex_attention, backend="tpu", fullgraph=True) if compiled else flex_attention
-    out, grads = _run_tpu(fn, qkv, score_tpu, mask_tpu)
+    out, grads = _run_tpu(fn, qkv, score_tpu, mask_tpu, captured_tpu)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
-    for got, leaf in zip(grads, leaves):
+    assert len(grads) == len(leaves + captured_cpu)
+    for got, leaf in zip(grads, leaves + captured_cpu):
         torch.testing.assert_close(got, leaf.grad, atol=2e-5, rtol=1e-5)
 
 
