@@ -101,7 +101,11 @@ class _ArrayOutputs(Lowering):
 
     def impl(self, platform: str | None = None):
         full = registry.LOWERINGS[self.op].impl(platform)
-        return lambda *args, **kwargs: tuple(o for o in full(*args, **kwargs) if o is not None and not isinstance(o, int))
+
+        def arrays(*args, **kwargs):
+            return tuple(o for o in full(*args, **kwargs) if o is not None and not isinstance(o, int))
+
+        return arrays
 
 
 def _array_kernel(op) -> dispatch.Kernel:
