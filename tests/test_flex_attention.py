@@ -187,3 +187,10 @@ def test_memory_is_blockwise():
 
     temp = jax.jit(step).lower(x).compile().memory_analysis().temp_size_in_bytes
     assert 0 < temp < length * length * 4 / 4
+
+
+def test_captured_tensor_on_another_device_raises():
+    slopes = torch.tensor([0.5, 0.125])  # left on the CPU
+    q = torch.randn(1, 2, 32, 8, device="tpu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s + slopes[h])

@@ -177,9 +177,19 @@ def _build_backward(score_fn, mask_fn, scale, sizes, present, n_score, grads_pre
     return run
 
 
+def _array(t: torch.Tensor, device_index: int):
+    if t.device.type == "tpu":
+        return bridge.read(t)
+    if t.dim() == 0:  # PyTorch lets a CPU 0-d tensor join a device op as a scalar
+        return jax.numpy.asarray(t.detach().numpy())
+    raise RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, tpu:{device_index} "
+        f"and {t.device}! (flex_attention on tpu: move the tensors score_mod/mask_mod use to tpu)")
+
+
 def _run(program: Callable, tensors: list, device_index: int) -> list[torch.Tensor]:
     """Run a program on tpu tensors (in the eager mode in force) and wrap its outputs."""
-    outs = bridge.apply(program, *[bridge.read(t) for t in tensors])
+    outs = bridge.apply(program, *[_array(t, device_index) for t in tensors])
     return [bridge.wrap(o, device_index) for o in outs]
 
 
