@@ -116,27 +116,28 @@ _graphs = caches.LRU("flex_attention_modifiers", "kernel_cache_size")  # (functi
 _programs = caches.LRU("flex_attention_programs", "kernel_cache_size")  # (graphs, statics) -> jitted
 
 
-def _aten_graph(fn: Callable, examples: list) -> GraphModule:
-    """``fn`` (a score_mod or mask_mod: a Python function or dynamo's GraphModule) traced to aten."""
-    key = (fn, tuple((tuple(e.shape), e.dtype, e.device) for e in examples))
+def _aten_graph(fn: Callable, scalars: tuple, device: torch.device, buffers: tuple) -> GraphModule:
+    """``fn`` (a score_mod or mask_mod: a Python function or dynamo's GraphModule) traced to aten,
+    on 0-d tensors of the dtypes ``scalars`` and the captured ``buffers``."""
+    key = (fn, scalars, device, tuple((tuple(b.shape), b.dtype, b.device) for b in buffers))
     gm = _graphs.get(key)
     if gm is None:
         from torchtpu.compile.backend import decompositions  # backend -> graph -> here: import at use
 
+        examples = [torch.zeros((), dtype=dtype, device=device) for dtype in scalars]
         with TransformGetItemToIndex():  # buffer[h] with a tensor index traces as aten.index
             # tensors a plain function closes over (no dynamo to lift them) become constants
             gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake",
-                         _allow_non_fake_inputs=True)(*examples)
+                         _allow_non_fake_inputs=True)(*examples, *buffers)
         _graphs[key] = gm
     return gm
 
 
 def _modifier_graphs(query, score_mod, mask_mod, score_buffers, mask_buffers) -> tuple:
     work = torch.float64 if query.dtype == torch.float64 else torch.float32  # scores' dtype in the kernel
-    index = [torch.zeros((), dtype=torch.int32, device=query.device) for _ in range(4)]
-    score = torch.zeros((), dtype=work, device=query.device)
-    return (_aten_graph(score_mod, [score, *index, *score_buffers]),
-            _aten_graph(mask_mod, [*index, *mask_buffers]))
+    index = (torch.int32,) * 4
+    return (_aten_graph(score_mod, (work, *index), query.device, tuple(score_buffers)),
+            _aten_graph(mask_mod, index, query.device, tuple(mask_buffers)))
 
 
 def _present(values) -> tuple[bool, ...]:
