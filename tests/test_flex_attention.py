@@ -122,10 +122,14 @@ def test_no_block_mask_gqa_score_mod_only(each_eager_mode):
 
 
 def test_cpu_behaviour_unchanged():
-    """The device check lets tpu through only: CPU still refuses a backward, as in PyTorch."""
+    """The device check lets tpu through only: CPU still refuses a backward and other devices are
+    still refused, as in PyTorch."""
     q = torch.randn(1, 1, 16, 8, requires_grad=True)
     with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
         flex_attention(q, q, q)
+    meta = torch.empty(1, 1, 16, 8, device="meta")
+    with pytest.raises(ValueError, match="only supported on CUDA, CPU"):
+        flex_attention(meta, meta, meta)
 
 
 def _hop_opinfos():
