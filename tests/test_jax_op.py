@@ -26,7 +26,7 @@ def rms_norm_reference(x, w, eps=1e-6):
 
 
 @torchtpu.jax_op("test_jax_op::scale_shift_stats")
-def scale_shift_stats(x: torch.Tensor, shift: Optional[torch.Tensor], dims: list[int],
+def scale_shift_stats(x: torch.Tensor, shift: Optional[torch.Tensor], dims: list[int], *,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     y = x * scale if shift is None else x * scale + shift
     return y, jnp.tanh(y).sum(axis=tuple(dims))
@@ -90,8 +90,8 @@ def test_tuple_outputs_optional_and_static_arguments(each_eager_mode):
         y = a * 0.5 + s
         return y, torch.tanh(y).sum(1)
 
-    _check(lambda a, s: scale_shift_stats(a, s, [1], 0.5), reference, x, shift)
-    out, stats = scale_shift_stats(x.to("tpu"), None, [0], 2.0)  # another static key: None, dims, scale
+    _check(lambda a, s: scale_shift_stats(a, s, [1], scale=0.5), reference, x, shift)
+    out, stats = scale_shift_stats(x.to("tpu"), None, [0], scale=2.0)  # another static key: None, dims, scale
     torch.testing.assert_close(stats.cpu(), torch.tanh(x * 2).sum(0))
 
 

@@ -173,20 +173,24 @@ class JaxOp:
     def _autograd_backward(self, ctx, *grads):
         tensors = list(ctx.saved_tensors)
         args = [tensors.pop(0) if marker is _SAVED else marker for marker in ctx.template]
-        flat = self.backward_op(list(grads), *args)  # autograd materialises unused outputs' grads as zeros
-        result, it = [None] * len(args), iter(flat)
+        flat = self.backward_op(list(grads), *args, **ctx.keyword)  # unused outputs' grads come as zeros
+        keyword = [ctx.keyword.get(a.name) for a in self.op._schema.arguments[len(args):]]
+        values, result, it = args + keyword, [None] * len(args), iter(flat)
         for i in self.tensor_slots:
-            a = args[i]
+            a = values[i]
             if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()):
-                result[i] = next(it)
+                grad = next(it)
+                if i < len(args):  # PyTorch takes gradients of positional inputs only
+                    result[i] = grad
         return tuple(result)
 
 
 _SAVED = object()  # a saved tensor's place in the forward's arguments
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx, inputs, output, keyword_only_inputs=None) -> None:
     ctx.template = [_SAVED if isinstance(a, torch.Tensor) else a for a in inputs]
+    ctx.keyword = dict(keyword_only_inputs or {})  # kept as given: gradients reach positional inputs only
     ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
 
 
