@@ -94,14 +94,14 @@ HEADER = ("| L | materialising ms | blockwise ms | torch CPU ms | blockwise / ma
           "|---|---|---|---|---|---|---|---|---|")
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+def _fmt(value, spec: str, unit: str = "") -> str:
+    return "—" if value is None else format(value, spec) + unit
 
 
 def _line(row: dict) -> str:
     speed = None if row["mat_ms"] is None else row["mat_ms"] / row["blk_ms"]
     return (f"| {row['L']} | {_fmt(row['mat_ms'], '.0f')} | {row['blk_ms']:.0f} | {row['cpu_ms']:.0f} | "
-            f"{_fmt(speed, '.2f')}x | {row['cpu_ms'] / row['blk_ms']:.2f}x | {row['mat_mib']:.0f} | "
+            f"{_fmt(speed, '.2f', 'x')} | {row['cpu_ms'] / row['blk_ms']:.2f}x | {row['mat_mib']:.0f} | "
             f"{row['blk_mib']:.1f} | {row['blk_mib'] / row['mat_mib']:.4f} |")
 
 
