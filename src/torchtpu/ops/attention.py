@@ -29,6 +29,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from torchtpu.ops.dtypes import opmath
@@ -126,8 +127,12 @@ class _Problem:
         the key and the block, so forward and backward draw the same one."""
         if not self.dropout_p:
             return p
-        block_key = jax.random.fold_in(self.key, i * self.nk + j)
-        keep = jax.random.bernoulli(block_key, 1.0 - self.dropout_p, p.shape)
+        data = jax.random.key_data(jax.random.fold_in(self.key, i * self.nk + j))
+        # XLA's own Philox generator: jax.random.bernoulli's threefry took 2.2 s to compile on
+        # XLA:CPU, this 0.45 s, for every new shape an eager kernel meets
+        _, bits = lax.rng_bit_generator(jnp.concatenate([data, ~data]), p.shape, jnp.uint32,
+                                        algorithm=lax.RandomAlgorithm.RNG_PHILOX)
+        keep = bits < np.uint32(min(int((1.0 - self.dropout_p) * 2.0 ** 32), 2 ** 32 - 1))
         return jnp.where(keep, p * (1.0 / (1.0 - self.dropout_p)), 0.0)
 
 
