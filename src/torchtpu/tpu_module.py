@@ -49,6 +49,12 @@ is_initialized = state.started
 _is_in_bad_fork = state.in_bad_fork
 
 
+def _lazy_init() -> None:
+    """torch calls this at a first ``tpu`` tensor factory (``device_lazy_init``). torch 2.11 counts
+    the device as initialised only once it exists, and until then its
+    ``torch.accelerator.synchronize()`` returns at once. Nothing to do: the runtime starts itself."""
+
+
 def init() -> None:
     """Start the runtime now rather than at first use."""
     state.start()
@@ -217,7 +223,7 @@ _PUBLIC = [
     "get_rng_state_all", "set_rng_state_all", "get_device_name", "get_device_capability",
     "get_device_properties", "memory_stats", "memory_allocated", "max_memory_allocated",
     "reset_peak_memory_stats", "memory_reserved", "mem_get_info", "empty_cache", "get_amp_supported_dtype",
-    "_is_in_bad_fork",
+    "_is_in_bad_fork", "_lazy_init",
 ]
 
 
