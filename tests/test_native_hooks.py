@@ -167,7 +167,7 @@ def test_build_failure_is_one_line_and_remembered(tmp_path):
     broken = tmp_path / "hooks.cpp"
     broken.write_text("this is not C++;\n")
     stale = """
-        native._SOURCE = {broken!r}
+        native._SOURCES = [{broken!r}]
         t0 = time.perf_counter()
         assert native.load() is None
         reason = native.unavailable_reason()
@@ -189,7 +189,7 @@ def test_stale_locks_do_not_hang(tmp_path):
     broken.write_text("this is not C++ either;\n")
     _run("""
         import fcntl, signal, subprocess
-        native._SOURCE = {broken!r}
+        native._SOURCES = [{broken!r}]
         name, build_dir = native._location()
         os.makedirs(build_dir)
         open(os.path.join(build_dir, "lock"), "w").close()  # FileBaton's lock file, left behind

@@ -35,6 +35,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "debug": ("torchtpu.debug", None),
     "profiler": ("torchtpu.profiler", None),
     "memory_summary": ("torchtpu.memory", "memory_summary"),
+    "matmul_precision": ("torchtpu.ops.precision", "scope"),
     "jax_op": ("torchtpu.jax_ops", "jax_op"),
 }
 

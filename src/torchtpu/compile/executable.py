@@ -33,6 +33,7 @@ from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import transfer
+from torchtpu.ops import precision
 from torchtpu.runtime.dtypes import to_jax_dtype
 from torchtpu.runtime import placement, rng, state
 
@@ -69,7 +70,7 @@ class _Executable:
     """One signature's XLA executable and the static outputs recorded while tracing it."""
 
     def __init__(self, graph: "CompiledGraph", statics: dict[int, Any], ninputs: int,
-                 donate: tuple[int, ...], arrays: list, key_args: tuple, index: int):
+                 donate: tuple[int, ...], arrays: list, key_args: tuple, index: int, setting: str | None):
         self.graph = graph
         self.statics = statics
         self.ninputs = ninputs
@@ -81,10 +82,12 @@ class _Executable:
             key = base_key(flat[:nkey]) if nkey else None
             it = iter(flat[nkey:])
             values = [statics[i] if i in statics else next(it) for i in range(ninputs)]
-            outputs, mutations = graph.fn(key, values)
+            with precision.tracing(setting, what):
+                outputs, mutations = graph.fn(key, values)
             return self._split_outputs(outputs), mutations
 
         run.__name__ = graph.name
+        what = f"a lowering in compiled graph {graph.name}"
         donate_argnums = tuple(nkey + i for i in donate)
         start = time.perf_counter()
         with placement.default(index):
@@ -168,7 +171,8 @@ class CompiledGraph:
     def __call__(self, args: list) -> list:
         arrays, signature, statics, donate, index = self._read(args)
         key_args = tuple(rng.next_key_args(index)) if self.fn.random_ops else ()
-        executable = self._lookup(signature, statics, donate, arrays, key_args, index)
+        setting = precision.setting() if self.fn.dots else None  # part of the executable's key
+        executable = self._lookup(signature, statics, donate, arrays, key_args, index, setting)
         if self.ranks is None:
             outputs, mutations = executable.compiled(*key_args, *arrays)
         else:
@@ -181,8 +185,9 @@ class CompiledGraph:
         args.clear()  # boxed convention: the inputs are ours to free
         return self._wrap(outputs, executable.static_outputs, index)
 
-    def _lookup(self, signature, statics, donate, arrays, key_args, index) -> _Executable:
+    def _lookup(self, signature, statics, donate, arrays, key_args, index, setting) -> _Executable:
         cache.count("requests")
+        signature = (signature, setting)
         executable = self.executables.get(signature)
         if executable is not None:
             cache.count("hits")
@@ -190,7 +195,7 @@ class CompiledGraph:
             return executable
         cache.count("misses")
         start = time.perf_counter()
-        executable = _Executable(self, statics, len(signature), donate, arrays, key_args, index)
+        executable = _Executable(self, statics, len(signature[0]), donate, arrays, key_args, index, setting)
         metrics.count_compile(self.name, time.perf_counter() - start, cache_hit=False)
         self.executables[signature] = executable
         return executable

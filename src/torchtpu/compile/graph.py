@@ -88,6 +88,7 @@ class GraphFunction:
     placeholders: list[Node] = field(default_factory=list)
     mutated: list[int] = field(default_factory=list)  # placeholder index of each input mutation
     random_ops: int = 0
+    dots: bool = False  # an op with fp32 dots: its programs follow the matmul precision (ops/precision.py)
     output: Node | None = None
     groups: dict[tuple[int, ...], str] = field(default_factory=dict)  # its collectives' groups: ranks -> a name
 
@@ -108,6 +109,9 @@ class GraphFunction:
             elif node.op == "call_function":
                 step = _resolve(node, self.random_ops)
                 self.random_ops += step.random_index >= 0
+                # a step that is no registry lowering (a higher-order op's) says so by a ``dots`` attribute
+                self.dots = self.dots or bool(step.lowering.dots if step.lowering is not None
+                                              else getattr(step.fn, "dots", False))
                 self.steps.append(step)
                 if node.target is aten.copy_.default and node.args[0] in index \
                         and index[node.args[0]] not in self.mutated:

@@ -142,7 +142,7 @@ def _shapes(signature: tuple) -> str:
 
 def _executables(graphs: list) -> Iterator[tuple[Any, tuple, Any]]:
     for graph in graphs:
-        for signature, executable in graph.executables.items():
+        for (signature, _matmul_precision), executable in graph.executables.items():
             yield graph, signature, executable
 
 

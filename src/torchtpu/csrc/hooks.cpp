@@ -37,6 +37,10 @@
 
 namespace py = pybind11;
 
+namespace torchtpu {
+void register_autocast();  // autocast.cpp: PyTorch's CUDA autocast policy on AutocastPrivateUse1
+}
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -600,4 +604,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and the device count the guard reports");
   m.def("pinned_bytes", [] { return pinned_allocator().bytes(); },
         "pinned_bytes() -> int: bytes of pinned host memory now allocated");
+  m.def("register_autocast", &torchtpu::register_autocast,
+        "register_autocast() -> None: PyTorch's CUDA autocast policy as the AutocastPrivateUse1 "
+        "kernels (once per process)");
 }

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from torchtpu.device import serialization
+from torchtpu.device import autocast, serialization
 from torchtpu.runtime import state
 
 _done = False
@@ -105,6 +105,7 @@ def register(module) -> None:
         torch._register_device_module("tpu", module)
         if not _register_hooks():  # the C++ hooks bring their own guard
             torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    autocast.install()  # torch.autocast("tpu"): PyTorch's CUDA policy (C++), bfloat16 by default
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type, "PrivateUse1")
     fallback_lib = torch.library.Library("_", "IMPL")

@@ -30,6 +30,7 @@ from torch._ops import OpOverload
 
 from torchtpu.device import bridge
 from torchtpu.eager import modes
+from torchtpu.ops import precision
 from torchtpu.ops.registry import Lowering
 from torchtpu.runtime import native, placement, platform, rng, state
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
@@ -354,26 +355,31 @@ class Kernel:
         self.lowering = lowering
         self.sig = _Signature(self.op, lowering.static_scalars)
         self.name = str(self.op)
+        self.dots = lowering.dots  # its programs follow (and key on) the matmul precision setting
         self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes
 
-    def compiled(self, key, device_index: int | None):
-        cache_key = (key, device_index)
+    def compiled(self, key, device_index: int | None, setting: str | None = None):
+        """The jitted program for a call's static ``key``; ``setting``: the matmul precision of an
+        op with dots (None for the others), pinned while it is traced."""
+        cache_key = (key, device_index, setting)
         fn = self._jitted.get(cache_key)
         if fn is None:
-            fn = self._jitted[cache_key] = self._build(key, device_index)
+            fn = self._jitted[cache_key] = self._build(key, device_index, setting)
         return fn
 
-    def _build(self, key, device_index):
-        lowering, plat = self.lowering, platform.platform()
+    def _build(self, key, device_index, setting):
+        lowering, plat, what = self.lowering, platform.platform(), f"the lowering of {self.name}"
 
         if lowering.random:
             def run(seed_hi, seed_lo, offset, *dyn):
                 args, kwargs = rebuild(key, dyn)
-                return lowering.call(rng.make_key(seed_hi, seed_lo, offset), args, kwargs, plat)
+                with precision.tracing(setting, what):
+                    return lowering.call(rng.make_key(seed_hi, seed_lo, offset), args, kwargs, plat)
         else:
             def run(*dyn):
                 args, kwargs = rebuild(key, dyn)
-                return lowering.call(None, args, kwargs, plat)
+                with precision.tracing(setting, what):
+                    return lowering.call(None, args, kwargs, plat)
 
         run.__name__ = self.name.replace(".", "_")
         if not self.lowering.jit:
@@ -395,11 +401,12 @@ class Kernel:
         else:
             call = Call(self.sig, args, kwargs)
         index = call.device
+        setting = precision.setting() if self.dots else None
         if index is None:  # a factory: the device comes from its arguments or the current one
             index = _device_index(call, kwargs, self.sig)
-            fn = self.compiled(call.key, index)
+            fn = self.compiled(call.key, index, setting)
         else:
-            fn = self._jitted.get((call.key, None)) or self.compiled(call.key, None)
+            fn = self._jitted.get((call.key, None, setting)) or self.compiled(call.key, None, setting)
         dyn = call.dyn
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
@@ -470,17 +477,42 @@ class MutatingKernel:
     def __init__(self, functional: Kernel):
         self.functional = functional
         names = functional.lowering.mutates
-        arguments = functional.op._schema.arguments
+        schema = functional.op._schema
+        arguments = schema.arguments
         self.targets = [(i, a.name) for i, a in enumerate(arguments) if a.name in names]
-        self.nout = len(functional.op._schema.returns)
+        self.nout = len(schema.returns)
+        # a return that aliases a written argument (``-> Tensor(a!)``) is that argument, as in PyTorch
+        written = {_alias_set(a): (i, a.name) for i, a in enumerate(arguments)
+                   if _alias_set(a) is not None and a.alias_info.is_write}
+        self.aliased = [written.get(_alias_set(r)) for r in schema.returns]
 
     def __call__(self, *args, **kwargs):
         index, out = self.functional.run(args, kwargs)
-        for (position, name), value in zip(self.targets, out[self.nout:]):
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if target is not None:
-                bridge.write(target, value)
+        values = iter(out[self.nout:])
+        for position, name in self.targets:
+            target = _argument(args, kwargs, position, name)
+            if isinstance(target, (list, tuple)):  # a written Tensor[]: one value per element, flat
+                for t in target:
+                    bridge.write(t, next(values))
+            elif target is not None:
+                bridge.write(target, next(values))
+            else:
+                next(values)
+        if self.nout == 0:
+            return None
+        if self.aliased[0] is not None and self.nout == 1:
+            return _argument(args, kwargs, *self.aliased[0])
         return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig)
+
+
+def _argument(args, kwargs, position: int, name: str):
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+def _alias_set(arg) -> str | None:
+    """The alias set a schema argument or return is in (``a`` of ``Tensor(a!)``), or None."""
+    info = arg.alias_info
+    return min(info.before_set) if info is not None and info.before_set else None
 
 
 class ForeachKernel:

@@ -1,7 +1,9 @@
 """Linear algebra: matrix products (with PyTorch's opmath accumulation) and decompositions.
 
-Products accumulate fp16/bf16 in fp32 (``preferred_element_type``) and ask for
-``Precision.HIGHEST`` so a TPU never silently runs fp32 as bf16 passes. LAPACK-style results
+Products accumulate fp16/bf16 in fp32 (``preferred_element_type``) at the precision
+``torch.set_float32_matmul_precision`` asks for (``precision.py``; PyTorch's default "highest" is
+``Precision.HIGHEST``, so a TPU never silently runs fp32 as bf16 passes). Decompositions'
+internal products stay HIGHEST whatever the setting. LAPACK-style results
 (1-based int32 pivots, ``info`` codes) follow PyTorch's CPU kernels.
 """
 
@@ -16,9 +18,10 @@ import torch
 from jax import lax
 
 from torchtpu.ops.dtypes import opmath, to_jax_dtype, to_torch_dtype
+from torchtpu.ops.precision import matmul_precision
 from torchtpu.ops.registry import aten, lowering
 
-HIGHEST = lax.Precision.HIGHEST
+HIGHEST = lax.Precision.HIGHEST  # decompositions' internal products (``_mm``)
 
 
 # ---------------------------------------------------------------- products
@@ -39,7 +42,7 @@ def _dot(a, b, dims, out_dtype=None):
     """``dot_general`` accumulating in PyTorch's opmath dtype, result in ``out_dtype``."""
     out_dtype = np.dtype(out_dtype or a.dtype)
     acc = opmath(out_dtype) if out_dtype == a.dtype else out_dtype
-    return lax.dot_general(a, b, dims, precision=HIGHEST, preferred_element_type=acc)
+    return lax.dot_general(a, b, dims, precision=matmul_precision(), preferred_element_type=acc)
 
 
 _MM = (((1,), (0,)), ((), ()))
@@ -62,14 +65,14 @@ def _scaled_sum(acc, bias, beta, alpha, dtype):
     return acc.astype(dtype)
 
 
-@lowering(aten.mm.default)
+@lowering(aten.mm.default, dots=True)
 def mm(a, b):
     _same_dtype(a, b)
     _check_mm(a, b)
     return _dot(a, b, _MM).astype(a.dtype)
 
 
-@lowering(aten.mm.dtype)
+@lowering(aten.mm.dtype, dots=True)
 def mm_dtype(a, b, out_dtype):
     _same_dtype(a, b)
     _check_mm(a, b)
@@ -77,65 +80,65 @@ def mm_dtype(a, b, out_dtype):
     return _dot(a, b, _MM, dtype).astype(dtype)
 
 
-@lowering(aten.bmm.default)
+@lowering(aten.bmm.default, dots=True)
 def bmm(a, b):
     _same_dtype(a, b, "batch1 and batch2")
     return _dot(a, b, _BMM).astype(a.dtype)
 
 
-@lowering(aten.bmm.dtype)
+@lowering(aten.bmm.dtype, dots=True)
 def bmm_dtype(a, b, out_dtype):
     _same_dtype(a, b, "batch1 and batch2")
     dtype = to_jax_dtype(out_dtype)
     return _dot(a, b, _BMM, dtype).astype(dtype)
 
 
-@lowering(aten.addmm.default)
+@lowering(aten.addmm.default, dots=True)
 def addmm(bias, a, b, *, beta=1, alpha=1):
     _same_dtype(a, b)
     _check_mm(a, b)
     return _scaled_sum(_dot(a, b, _MM), bias, beta, alpha, a.dtype)
 
 
-@lowering(aten.addmm.dtype)
+@lowering(aten.addmm.dtype, dots=True)
 def addmm_dtype(bias, a, b, out_dtype, *, beta=1, alpha=1):
     _same_dtype(a, b)
     dtype = to_jax_dtype(out_dtype)
     return _scaled_sum(_dot(a, b, _MM, dtype), bias, beta, alpha, dtype)
 
 
-@lowering(aten.baddbmm.default)
+@lowering(aten.baddbmm.default, dots=True)
 def baddbmm(bias, a, b, *, beta=1, alpha=1):
     _same_dtype(a, b, "batch1 and batch2")
     return _scaled_sum(_dot(a, b, _BMM), bias, beta, alpha, a.dtype)
 
 
-@lowering(aten.baddbmm.dtype)
+@lowering(aten.baddbmm.dtype, dots=True)
 def baddbmm_dtype(bias, a, b, out_dtype, *, beta=1, alpha=1):
     _same_dtype(a, b, "batch1 and batch2")
     dtype = to_jax_dtype(out_dtype)
     return _scaled_sum(_dot(a, b, _BMM, dtype), bias, beta, alpha, dtype)
 
 
-@lowering(aten.addbmm.default)
+@lowering(aten.addbmm.default, dots=True)
 def addbmm(bias, a, b, *, beta=1, alpha=1):
     _same_dtype(a, b, "batch1 and batch2")
     return _scaled_sum(_dot(a, b, _ADDBMM), bias, beta, alpha, a.dtype)
 
 
-@lowering(aten.mv.default)
+@lowering(aten.mv.default, dots=True)
 def mv(a, v):
     _same_dtype(a, v, "mat and vec")
     return _dot(a, v, _MV).astype(a.dtype)
 
 
-@lowering(aten.addmv.default)
+@lowering(aten.addmv.default, dots=True)
 def addmv(bias, a, v, *, beta=1, alpha=1):
     _same_dtype(a, v, "mat and vec")
     return _scaled_sum(_dot(a, v, _MV), bias, beta, alpha, a.dtype)
 
 
-@lowering(aten.dot.default)
+@lowering(aten.dot.default, dots=True)
 def dot(a, b):
     _same_dtype(a, b, "self and other")
     if a.ndim != 1 or b.ndim != 1:
@@ -143,7 +146,7 @@ def dot(a, b):
     return _dot(a, b, _VV).astype(a.dtype)
 
 
-@lowering(aten.vdot.default)
+@lowering(aten.vdot.default, dots=True)
 def vdot(a, b):
     _same_dtype(a, b, "self and other")
     return _dot(jnp.conj(a), b, _VV).astype(a.dtype)

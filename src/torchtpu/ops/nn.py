@@ -23,8 +23,11 @@ import numpy as np
 from jax import lax
 
 from torchtpu.ops.dtypes import opmath, promote, to_jax_dtype, to_torch_dtype
+from torchtpu.ops.precision import matmul_precision
 from torchtpu.ops.registry import aten, lowering
 
+# Dots that are not a user's product (a one-hot gather, interpolation weights) stay exact; matrix
+# products and convolutions take torch's matmul precision (``precision.matmul_precision``).
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -951,12 +954,12 @@ def _uses_mm(p, r1, r2, compute_mode) -> bool:
     return compute_mode == 1 or (compute_mode in (None, 0) and (r1 > 25 or r2 > 25))
 
 
-@lowering(aten._cdist_forward.default)
+@lowering(aten._cdist_forward.default, dots=True)
 def cdist(x1, x2, p, compute_mode):
     a, b = _up(x1), _up(x2)
     if _uses_mm(p, x1.shape[-2], x2.shape[-2], compute_mode):
         sq = jnp.sum(a * a, -1)[..., :, None] + jnp.sum(b * b, -1)[..., None, :] \
-            - 2 * jnp.einsum("...id,...jd->...ij", a, b, precision=HIGHEST)
+            - 2 * jnp.einsum("...id,...jd->...ij", a, b, precision=matmul_precision())
         return jnp.sqrt(jnp.maximum(sq, 0)).astype(x1.dtype)
     d = jnp.abs(a[..., :, None, :] - b[..., None, :, :])
     if p == 0:
@@ -1037,7 +1040,7 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     if not transposed:
         return lax.conv_general_dilated(
             x, w, stride, [(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST,
+            dimension_numbers=dn, feature_group_count=groups, precision=matmul_precision(),
             preferred_element_type=acc)
     # transposed conv = conv of the stride-dilated input with the flipped, in/out-swapped kernel
     output_padding = _tuple(output_padding, nd)
@@ -1051,11 +1054,11 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + spatial, "OI" + spatial, "NC" + spatial))
     return lax.conv_general_dilated(
         x, w, (1,) * nd, pads, lhs_dilation=stride, rhs_dilation=dilation,
-        dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST,
+        dimension_numbers=dn, feature_group_count=groups, precision=matmul_precision(),
         preferred_element_type=acc)
 
 
-@lowering(aten.convolution.default)
+@lowering(aten.convolution.default, dots=True)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     if x.ndim != w.ndim:
         raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight "
@@ -1068,7 +1071,7 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
     return y.astype(x.dtype)
 
 
-@lowering(aten.convolution_backward.default)
+@lowering(aten.convolution_backward.default, dots=True)
 def convolution_backward(g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding,
                          groups, output_mask):
     def fwd(a, b):

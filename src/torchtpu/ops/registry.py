@@ -62,6 +62,7 @@ class Lowering:
     jit: bool = True  # False: output shapes depend on values (nonzero); eager runs it unjitted
     mutates: tuple[str, ...] = ()  # arguments the op writes (besides self/out): new values returned last
     view: bool = False  # a view op: eager shares the base's storage, graphs compute the value
+    dots: bool = False  # fp32 dots/convolutions at torch's matmul precision: its programs key on it (precision.py)
 
     def impl(self, platform: str | None = None) -> Callable:
         """The function that computes the op on ``platform``: its override, else the generic one."""
@@ -105,7 +106,7 @@ def _overloads(op) -> list[OpOverload]:
 
 def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool = True,
              mutates: tuple[str, ...] = (), view: bool = False, graph_only: bool = False,
-             platform: str | None = None) -> Callable[[Callable], Callable]:
+             platform: str | None = None, dots: bool = False) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the JAX lowering of each aten overload in ``ops``.
 
     ``random``: ``fn`` takes a ``jax.random`` key first. ``static_scalars``: the op's ``Scalar``
@@ -114,9 +115,14 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
     eager calls ``fn`` on concrete arrays, and ``torch.compile`` graphs never contain it
     (dynamo breaks the graph there). ``mutates``: argument names the op writes besides ``self``
     and ``out`` (schemas do not always mark them): ``fn`` returns the op's outputs, then the new
-    value of each named argument (ignored where the argument is None); eager writes them back,
-    and ``torch.compile`` graphs never contain such an op (functionalisation replaces it).
+    value of each named argument (ignored where the argument is None; a ``Tensor[]`` argument's
+    values one per element, flat; an op lowered in its in-place or out= form names ``self`` or
+    ``out`` too); eager writes them back, and ``torch.compile`` graphs never contain such an op
+    (functionalisation replaces it).
     ``view=True``: a view op; ``graph_only=True``: what compiled graphs compute (module docstring).
+    ``dots=True``: ``fn`` computes fp32 dot products or convolutions with
+    ``precision=precision.matmul_precision()``, so its programs follow
+    ``torch.set_float32_matmul_precision`` and carry the setting in their cache keys.
     ``platform``: register ``fn`` as the op's override on that platform (the op must have, or
     later get, a generic lowering, which stays the reference). An op may also be a schema name
     string (``"prims::fma"``) for operators that may not exist yet when this runs.
@@ -133,7 +139,7 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
                     continue
                 if overload in table:
                     raise ValueError(f"{overload} already has a lowering ({table[overload].fn.__module__})")
-                table[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates), view)
+                table[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates), view, dots)
         return fn
 
     return register

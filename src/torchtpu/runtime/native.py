@@ -1,7 +1,8 @@
 """Builds and loads torchtpu's small C++ extension: the PrivateUse1 hooks, the device allocator
 and the device guard (``csrc/hooks.cpp``), which give ``tpu`` what PyTorch reaches only from C++:
 pinned host memory, ``torch.Generator("tpu")``, ``UntypedStorage.resize_``, torch.accelerator's
-memory statistics and ``synchronize``.
+memory statistics and ``synchronize``; and ``torch.autocast("tpu")``'s kernels
+(``csrc/autocast.cpp``: PyTorch's CUDA cast policy, registered by ``register_autocast``).
 
 Contract:
 
@@ -38,7 +39,10 @@ from types import ModuleType
 
 from torchtpu.config import config
 
-_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "hooks.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+# hooks.cpp: the hooks, allocator and guard; autocast.cpp: the autocast policy (ATen's heavy
+# headers, so a translation unit of its own, compiled in parallel)
+_SOURCES = [os.path.join(_CSRC, name) for name in ("hooks.cpp", "autocast.cpp")]
 _CFLAGS = ["-O2"]
 _LIB_EXT = ".pyd" if os.name == "nt" else ".so"
 _LOCK_TIMEOUT_S = 600.0  # the longest wait for another process's build
@@ -49,6 +53,7 @@ _module: ModuleType | None = None
 _reason: str | None = None
 _tried = False
 _registered = False
+_autocast = False
 
 
 class _Failure(Exception):
@@ -83,8 +88,11 @@ def _location() -> tuple[str, str]:
 
     import torch
 
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + repr(_CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(repr(_CFLAGS).encode())
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:16]
     tag = f"{torch.__version__}-{sys.implementation.cache_tag}-{digest}"
     name = "torchtpu_hooks_" + "".join(c if c.isalnum() else "_" for c in tag)
     return name, os.path.join(config.cache_dir, "ext", tag)
@@ -153,7 +161,7 @@ def _cpp_load(name: str, build_dir: str) -> ModuleType:
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS,
+        return cpp_extension.load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS,
                                   build_directory=build_dir, verbose=False)
     finally:
         log.setLevel(level)
@@ -242,6 +250,28 @@ def register_hooks(callbacks: object) -> bool:
         return False
     _registered = True
     return True
+
+
+def register_autocast() -> bool:
+    """Register PyTorch's CUDA autocast policy for ``tpu`` (``csrc/autocast.cpp``); True if it is
+    now registered (False: no extension, or another library holds AutocastPrivateUse1: see
+    ``unavailable_reason``)."""
+    global _reason, _autocast
+    module = load()
+    if module is None:
+        return False
+    try:
+        module.register_autocast()
+    except Exception as exc:
+        _reason = f"the autocast kernels could not be registered: {_one_line(exc)}"
+        return False
+    _autocast = True
+    return True
+
+
+def autocast_registered() -> bool:
+    """Whether ``torch.autocast("tpu")`` has its kernels (``register_autocast`` succeeded)."""
+    return _autocast
 
 
 def registered() -> bool:
