@@ -7,8 +7,8 @@ the gradient is divided by ``grad_scale`` and written back, a set ``found_inf`` 
 untouched, and low-precision tensors compute in fp32. Without these lowerings the step ran through
 the CPU fallback every step, which Hugging Face's ``Trainer`` (fused AdamW by default) hit.
 
-Eager runs the in-place overloads (``mutates=``: the written lists' new values come back in
-argument order); compiled graphs get the functional overloads from functionalisation.
+Eager runs the in-place overloads (``mutates=``: the written lists' new values come back flat,
+in argument order); compiled graphs get the functional overloads from functionalisation.
 """
 
 from __future__ import annotations
@@ -104,13 +104,16 @@ def _register(name: str, fn, state: tuple[str, ...], **fixed) -> None:
     def step(*lists, grad_scale=None, found_inf=None, **hyper):
         return fn(*lists, grad_scale=grad_scale, found_inf=found_inf, **hyper, **fixed)
 
+    def step_(*lists, **kwargs):  # written lists' new values come flat, one per element
+        return tuple(x for new in step(*lists, **kwargs) for x in new)
+
     def step_out(*lists, out, **kwargs):  # self's new values go to out; the other lists are written
         new = step(*lists, **kwargs)
-        return (*new[1:], new[0])
+        return tuple(x for written in (*new[1:], new[0]) for x in written)
 
-    step.__name__ = name
+    step.__name__, step_.__name__, step_out.__name__ = name, name + "_", name + "_out"
     lowering(functional.default, functional.tensor_lr)(step)
-    lowering(inplace.default, inplace.tensor_lr, mutates=state)(step)
+    lowering(inplace.default, inplace.tensor_lr, mutates=state)(step_)
     lowering(functional.out, functional.tensor_lr_out, mutates=(*state[1:], "out"))(step_out)
 
 
