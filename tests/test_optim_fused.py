@@ -77,3 +77,29 @@ def test_grad_scale_unscales_grads_and_found_inf_skips_the_step(op, found):
 
     for got, want in zip(run("tpu"), run("cpu")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scheduled_learning_rate_is_a_value_not_a_new_program():
+    from torchtpu import metrics
+
+    def run(device):
+        torch.manual_seed(2)
+        model = torch.nn.Linear(4, 3).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (step + 1))
+        x = torch.randn(5, 4).to(device)
+        for step in range(5):
+            if step == 2:
+                metrics.reset()
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+            sched.step()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    want = run("cpu")
+    got = run("tpu")
+    built = metrics.snapshot()["eager_compiles"]
+    assert built["compilations"] + built["persistent_hits"] == 0, built  # steps 3-5: three new lr values
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -70,10 +70,12 @@ def _arg_kind(arg) -> int:
 class _Signature:
     """What a kernel needs to know about an overload's arguments, derived once from its schema."""
 
-    def __init__(self, op: OpOverload, static_scalars: bool = False):
+    def __init__(self, op: OpOverload, static_scalars: bool = False, dynamic: tuple[str, ...] = ()):
         schema = op._schema
 
         def kind(arg):
+            if arg.name in dynamic:  # a float passed as a value (Lowering.dynamic)
+                return _SCALAR
             k = _arg_kind(arg)
             return _STATIC if (k == _SCALAR and static_scalars) else k
 
@@ -353,7 +355,7 @@ class Kernel:
     def __init__(self, lowering: Lowering):
         self.op = lowering.op
         self.lowering = lowering
-        self.sig = _Signature(self.op, lowering.static_scalars)
+        self.sig = _Signature(self.op, lowering.static_scalars, lowering.dynamic)
         self.name = str(self.op)
         self.dots = lowering.dots  # its programs follow (and key on) the matmul precision setting
         self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes

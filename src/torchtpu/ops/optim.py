@@ -113,8 +113,9 @@ def _register(name: str, fn, state: tuple[str, ...], **fixed) -> None:
 
     step.__name__, step_.__name__, step_out.__name__ = name, name + "_", name + "_out"
     lowering(functional.default, functional.tensor_lr)(step)
-    lowering(inplace.default, inplace.tensor_lr, mutates=state)(step_)
-    lowering(functional.out, functional.tensor_lr_out, mutates=(*state[1:], "out"))(step_out)
+    # lr is a value, not a constant: a scheduler changes it every step (one program, not one per lr)
+    lowering(inplace.default, inplace.tensor_lr, mutates=state, dynamic=("lr",))(step_)
+    lowering(functional.out, functional.tensor_lr_out, mutates=(*state[1:], "out"), dynamic=("lr",))(step_out)
 
 
 _register("_fused_adam", _adam, _ADAM_STATE, decoupled=False)

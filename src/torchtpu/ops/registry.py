@@ -63,6 +63,7 @@ class Lowering:
     mutates: tuple[str, ...] = ()  # arguments the op writes (besides self/out): new values returned last
     view: bool = False  # a view op: eager shares the base's storage, graphs compute the value
     dots: bool = False  # fp32 dots/convolutions at torch's matmul precision: its programs key on it (precision.py)
+    dynamic: tuple[str, ...] = ()  # float arguments passed as values, not compiled in (a scheduled lr)
 
     def impl(self, platform: str | None = None) -> Callable:
         """The function that computes the op on ``platform``: its override, else the generic one."""
@@ -106,7 +107,8 @@ def _overloads(op) -> list[OpOverload]:
 
 def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool = True,
              mutates: tuple[str, ...] = (), view: bool = False, graph_only: bool = False,
-             platform: str | None = None, dots: bool = False) -> Callable[[Callable], Callable]:
+             platform: str | None = None, dots: bool = False,
+             dynamic: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the JAX lowering of each aten overload in ``ops``.
 
     ``random``: ``fn`` takes a ``jax.random`` key first. ``static_scalars``: the op's ``Scalar``
@@ -123,6 +125,9 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
     ``dots=True``: ``fn`` computes fp32 dot products or convolutions with
     ``precision=precision.matmul_precision()``, so its programs follow
     ``torch.set_float32_matmul_precision`` and carry the setting in their cache keys.
+    ``dynamic``: names of ``float`` arguments that eager passes as 0-d values, like ``Scalar``
+    arguments, instead of compiling them in: an optimizer's learning rate changes every step
+    under a scheduler, and a static one would compile a new program each time.
     ``platform``: register ``fn`` as the op's override on that platform (the op must have, or
     later get, a generic lowering, which stays the reference). An op may also be a schema name
     string (``"prims::fma"``) for operators that may not exist yet when this runs.
@@ -139,7 +144,8 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
                     continue
                 if overload in table:
                     raise ValueError(f"{overload} already has a lowering ({table[overload].fn.__module__})")
-                table[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates), view, dots)
+                table[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates), view, dots,
+                                           tuple(dynamic))
         return fn
 
     return register
