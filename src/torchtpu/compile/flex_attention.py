@@ -37,7 +37,9 @@ from torchtpu.ops import flex_attention as flex
 
 LN2 = math.log(2.0)
 _LARGE_BLOCK = 1 << 30  # PyTorch's block size for "no BlockMask given": one block, nothing skipped
-_Q_BS, _KV_BS = 14, 15  # positions of the block sizes in BlockMask.as_tuple()
+# Positions of the block sizes in BlockMask.as_tuple(): the two before mask_mod (the last); from
+# its start they moved (10, 11 in torch 2.11/2.12; 14, 15 since 2.13 added four arrays).
+_Q_BS, _KV_BS = -3, -2
 
 
 def element_function(gm: GraphModule) -> Callable:
