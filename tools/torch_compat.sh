@@ -30,10 +30,11 @@ TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 # A release (2.11.0) is pinned as given; a series (2.11) takes its newest release.
 [[ $VERSION =~ ^[0-9]+\.[0-9]+$ ]] && SPEC="torch==$VERSION.*" || SPEC="torch==$VERSION"
 # The smoke subset: device, eager ops, compile, module moves, the C++ hooks, torch.accelerator,
-# and a slice of the CI's OpInfo conformance (eager float32). A few minutes on 2 cores.
+# flex_attention (it reads torch's private BlockMask layout), and a slice of the CI's OpInfo
+# conformance (eager float32). A few minutes on 2 cores.
 DEFAULT_SMOKE=(tests/test_device.py tests/test_ops_elementwise.py tests/test_compile.py
                tests/test_module_to.py tests/test_native_hooks.py tests/test_accelerator.py
-               tests/conformance/test_opinfo.py -k "not test_opinfo or (eager_float32 and (add or matmul or softmax))")
+               tests/test_flex_attention.py tests/conformance/test_opinfo.py -k "not test_opinfo or (eager_float32 and (add or matmul or softmax))")
 if [[ -n ${SMOKE:-} ]]; then read -r -a SMOKE_ARGS <<< "$SMOKE"; else SMOKE_ARGS=("${DEFAULT_SMOKE[@]}"); fi
 
 log() { printf '\n== %s\n' "$*"; }
