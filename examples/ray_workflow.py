@@ -61,7 +61,9 @@ def produce(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @ray.remote(num_cpus=1, resources={"TPU": 1})
 def train_on_tpu(data: tuple[torch.Tensor, torch.Tensor]) -> dict:
     """The TPU stage: trains on ``tpu`` in the worker that holds the ``TPU`` resource."""
-    import torch_tpu  # noqa: F401  (registers the device, as Ray Train's TPU support does)
+    import torch_tpu._loader
+
+    torch_tpu._loader.load()  # the device and the c10d backends, as Ray Train's TPU support loads them
 
     x, y = data
     losses, weights = fit(x, y, "tpu")
@@ -149,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["workflow", "train", "both"], default="both")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--storage", help="Ray Train's storage path (default: a new temporary folder)")
     args = parser.parse_args()
     start_ray(args.workers + 1)
     try:
@@ -157,7 +160,7 @@ def main() -> None:
             print(f"workflow on {out['device']}: losses {out['losses']}, cpu {out['cpu_losses']}")
             check(out)
         if args.part in ("train", "both"):
-            out = run_train(args.workers)
+            out = run_train(args.workers, storage=args.storage)
             print(f"Ray Train, {out['world_size']} workers, {out['backend']} on {out['device']}: "
                   f"losses {out['losses']}, cpu {out['cpu_losses']}")
             check(out)
