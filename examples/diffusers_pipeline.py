@@ -47,7 +47,7 @@ def main() -> None:
           f"{args.steps} denoising steps")
 
     reference, seconds = sample(build(args.size), args)
-    print(f"cpu {"":20s}{seconds:7.2f} s")
+    print(f"{'cpu':24s}{seconds:7.2f} s")
 
     pipe = build(args.size).to("tpu")
     for label in ("eager (first run)", "eager"):
