@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from cache_dirs import fresh_cache_dir
+
 # A child process: compiles a small training-like update, prints its cache stats as JSON.
 CHILD = textwrap.dedent("""
     import json, warnings
@@ -38,7 +40,7 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(cache_dir) -> dict:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache_dir), "TORCHTPU_PLATFORM": "cpu"}
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(fresh_cache_dir(cache_dir)), "TORCHTPU_PLATFORM": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -47,6 +49,7 @@ def run_child(cache_dir) -> dict:
 
 
 def cache_files(cache_dir) -> list[str]:
+    # os.walk does not enter the linked extension build (cache_dirs.py): only the XLA caches
     return [os.path.join(root, f) for root, _, files in os.walk(cache_dir) for f in files]
 
 

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from cache_dirs import fresh_cache_dir
 from torchtpu import metrics
 
 STEPS = 10  # each step compiles ~8 new programs cold; 10 steps show the per-step pattern
@@ -45,7 +46,7 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(cache_dir) -> dict:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache_dir), "TORCHTPU_PLATFORM": "cpu"}
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(fresh_cache_dir(cache_dir)), "TORCHTPU_PLATFORM": "cpu"}
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                  "TORCHTPU_DEFER_AND_FUSE", "TORCHTPU_LAUNCH_BLOCKING"):
         env.pop(name, None)
