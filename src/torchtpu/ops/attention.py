@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from torchtpu.ops.dtypes import opmath
+from torchtpu.ops.dtypes import to_opmath as _up
 from torchtpu.ops.registry import aten, lowering
 
 HIGHEST = lax.Precision.HIGHEST
@@ -52,10 +52,6 @@ def block_sizes(length: int, kv_length: int) -> tuple[int, int]:
     if length <= SINGLE_BLOCK and kv_length <= SINGLE_BLOCK:
         return length, kv_length
     return min(BLOCK_Q, length), min(BLOCK_K, kv_length)
-
-
-def _up(x):
-    return x.astype(opmath(x.dtype))
 
 
 def _pad(x, axis: int, size: int, value=0):

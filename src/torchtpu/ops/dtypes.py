@@ -99,6 +99,11 @@ def opmath(dtype) -> np.dtype:
     return dt
 
 
+def to_opmath(x):
+    """``x`` in its opmath dtype (fp16/bf16 → fp32), as PyTorch computes low-precision inputs."""
+    return x.astype(opmath(x.dtype))
+
+
 def as_scalar(value, dtype) -> jax.Array:
     """A Python or traced scalar cast to ``dtype``."""
     return jnp.asarray(value).astype(dtype)

@@ -23,17 +23,13 @@ import numpy as np
 from jax import lax
 
 from torchtpu.ops.dtypes import opmath, promote, to_jax_dtype, to_torch_dtype
+from torchtpu.ops.dtypes import to_opmath as _up
 from torchtpu.ops.precision import matmul_precision
 from torchtpu.ops.registry import aten, lowering
 
 # Dots that are not a user's product (a one-hot gather, interpolation weights) stay exact; matrix
 # products and convolutions take torch's matmul precision (``precision.matmul_precision``).
 HIGHEST = lax.Precision.HIGHEST
-
-
-def _up(x):
-    """``x`` in its opmath dtype (fp16/bf16 → fp32)."""
-    return x.astype(opmath(x.dtype))
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from torchtpu.ops.dtypes import to_opmath as _up
 from torchtpu.ops.registry import aten, lowering
 
 _ADAM_STATE = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
 _SGD_STATE = ("self", "grads", "momentum_buffer_list")
-
-
-def _up(x):
-    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
 def _scalar(x):
