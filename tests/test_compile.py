@@ -431,6 +431,16 @@ def test_default_backend_passes_xla_options(no_fallback):
     assert_close(fn(tpu(x)).cpu(), x - 1)
 
 
+@needs_settable_default
+def test_default_backend_drops_inductor_options_on_tpu(no_fallback):
+    """Libraries tuned for Inductor (TorchTitan's flex_attention) pass Inductor settings; on tpu
+    they are dropped, not handed to XLA as unknown compile options, and XLA options still pass."""
+    options = {"max_autotune": True, "triton.cudagraphs": False, "xla_cpu_enable_fast_math": False}
+    fn = torch.compile(lambda t: t * 3 + 1, options=options)
+    x = torch.randn(3)
+    assert_close(fn(tpu(x)).cpu(), x * 3 + 1)
+
+
 def test_foreach_adamw_step_inside_compile_matches_cpu():
     """Optimizers' multi-tensor (_foreach_*) updates, whose Scalar args map to keyword args of the
     per-tensor ops (addcmul's value), inside a compiled step."""

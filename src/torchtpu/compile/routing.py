@@ -37,8 +37,20 @@ def default_backend(gm: GraphModule, example_inputs, *, mode: str | None = None,
     if on_tpu(gm, example_inputs):
         from torchtpu.compile.backend import backend
 
-        return backend(gm, example_inputs, mode=mode, options=options)
+        return backend(gm, example_inputs, mode=mode, options=_without_inductor_options(options))
     return _inductor(mode, options)(gm, example_inputs)
+
+
+def _without_inductor_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The XLA options among ``options``: Inductor's own settings tune code Inductor would
+    generate, which a graph on tpu never runs (libraries written for Inductor pass them,
+    e.g. ``max_autotune``), so they are dropped rather than handed to XLA as unknown options."""
+    if not options:
+        return options
+    from torch._inductor import config as inductor_config
+
+    inductor_keys = inductor_config.get_config_copy().keys()
+    return {k: v for k, v in options.items() if k not in inductor_keys}
 
 
 def _inductor(mode, options) -> Callable:
