@@ -121,6 +121,25 @@ def test_item_is_a_transfer_to_host():
     assert (t["to_host"], t["to_host_bytes"]) == (2, 8 + 1)  # a float64 and a bool
 
 
+@pytest.mark.parametrize("value", [[True], [False], [0.0], [2.5], [], [1, 1]])
+@pytest.mark.parametrize("msg", [None, "rope positions out of range"])
+def test_assert_async_checks_like_cpu_without_fallback(no_fallback, value, msg):
+    """``torch._assert_async`` (TorchTitan's RoPE calls it every forward) runs on tpu with the
+    CPU's outcome and message, not through the CPU fallback."""
+    cpu = torch.tensor(value).reshape(()) if len(value) == 1 else torch.tensor(value)
+    args = (cpu,) if msg is None else (cpu, msg)
+    try:
+        torch._assert_async(*args)
+        expected = None
+    except RuntimeError as e:
+        expected = str(e)
+    if expected is None:
+        torch._assert_async(cpu.to("tpu"), *args[1:])
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(expected)):
+            torch._assert_async(cpu.to("tpu"), *args[1:])
+
+
 SPARSE = "sparse tensors are not supported on tpu"
 
 

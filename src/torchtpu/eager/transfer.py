@@ -155,7 +155,19 @@ def equal(self, other) -> bool:
     return bool(torch.ops.aten.eq.Tensor(self, other).all().item())
 
 
+def _assert_async(self, assert_msg: str | None = None) -> None:
+    """``torch._assert_async``: XLA has no device-side assert, so the condition is read to the
+    host and checked now (as on the CPU), with PyTorch's messages."""
+    if self.numel() != 1:
+        amount = "no values" if self.numel() == 0 else "more than one value"
+        raise RuntimeError(f"Boolean value of Tensor with {amount} is ambiguous")
+    if not _local_scalar_dense(self):
+        raise RuntimeError(assert_msg or "Expected Tensor with single nonzero value, but got zero")
+
+
 KERNELS = {
+    aten._assert_async.default: _assert_async,
+    aten._assert_async.msg: _assert_async,
     aten.equal.default: equal,
     aten.copy_.default: copy_,
     aten._copy_from.default: _copy_from,
