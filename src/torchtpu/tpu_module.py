@@ -37,6 +37,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "memory_summary": ("torchtpu.memory", "memory_summary"),
     "matmul_precision": ("torchtpu.ops.precision", "scope"),
     "jax_op": ("torchtpu.jax_ops", "jax_op"),
+    "graph": ("torchtpu.graphs", "graph"),
+    "TPUGraph": ("torchtpu.graphs", "TPUGraph"),
+    "make_graphed_callables": ("torchtpu.graphs", "make_graphed_callables"),
+    "compile_step": ("torchtpu.graphs", "compile_step"),
 }
 
 

@@ -50,6 +50,17 @@ class Lazy:
 
 LAZY_TYPES: tuple[type, ...] = (Lazy,)
 
+# How many contexts are capturing a graph (``eager/capture.py``). While any is, every storage a
+# read, write or new tensor touches is reported to the current context's recorder (``_touched``),
+# which makes a storage that existed before the capture an input of the captured program.
+capturing = 0
+
+
+def _touched(storage, tensor=None, made: bool = False) -> None:
+    executor = current().executor
+    if executor is not None and executor.captures:
+        executor.touch(storage, tensor, made)
+
 
 def apply(fn, *args):
     """``fn(*args)`` for a jitted ``fn``, in the current context's mode: run now, or recorded by
@@ -157,7 +168,10 @@ def new_storage(nbytes: int, index: int):
     device = _DEVICES.get(index)
     if device is None:
         device = _DEVICES[index] = torch.device("tpu", index)
-    return _new_storage(reserve_address(nbytes), device, nbytes)
+    storage = _new_storage(reserve_address(nbytes), device, nbytes)
+    if capturing:
+        _touched(storage, made=True)
+    return storage
 
 
 def resize_storage(storage, nbytes: int) -> int:
@@ -237,6 +251,8 @@ def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
     t = _shell(dtype, index)
     _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
     storage._jax = array
+    if capturing:
+        _touched(storage)
     return t
 
 
@@ -254,6 +270,8 @@ def read(t: torch.Tensor) -> jax.Array:
     """The elements of ``t`` as a ``jax.Array`` of ``t``'s shape and dtype; in DEFER_AND_FUSE a
     pending value stays a deferred one (``read_computed`` runs it)."""
     storage = t.untyped_storage()
+    if capturing:
+        _touched(storage, t)
     array = getattr(storage, ATTR, None)
     if array is None:
         array = _allocate(t, storage)
@@ -303,6 +321,12 @@ def _allocate(t: torch.Tensor, storage) -> jax.Array:
     return array
 
 
+def zeros_for(t: torch.Tensor, storage) -> jax.Array:
+    """The zeros an array-less storage of ``t`` gets, computed now (never recorded)."""
+    numel = max(storage.nbytes() // t.element_size(), _extent(t))
+    return _zeros(numel, to_jax_dtype(t.dtype), t.get_device())()
+
+
 @functools.lru_cache(maxsize=1024)
 def _zeros(numel: int, dtype, index: int):
     # A jitted constant: 20x cheaper than jnp.zeros per call, and recordable by the fused mode.
@@ -325,6 +349,8 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     if tuple(value.shape) != tuple(t.shape):
         value = apply(_broadcast(tuple(t.shape)), value)
     storage = t.untyped_storage()
+    if capturing:
+        _touched(storage, t)
     array = getattr(storage, ATTR, None)
     if array is None:
         if t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() >= storage.nbytes():

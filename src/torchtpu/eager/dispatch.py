@@ -275,11 +275,11 @@ def _read_into(t: torch.Tensor, dyn: list):
     with the view's geometry (a ``_View``, read inside the program). Everything else takes
     ``bridge.read``: storages holding no computed array (none yet, or a fused-eager deferred
     value), lazy conjugate/negation bits, other dtypes (``view.dtype``, bytes after
-    ``torch.load``).
+    ``torch.load``), and every read while a graph is captured (``bridge.read`` reports it).
     """
     array = getattr(t.untyped_storage(), bridge.ATTR, None)
     if array.__class__ is ArrayImpl and array.dtype == TORCH_TO_JAX.get(t.dtype) \
-            and not (t.is_conj() or t.is_neg()):
+            and not (t.is_conj() or t.is_neg()) and not bridge.capturing:
         dyn.append(array)
         shape = t.shape
         if array.shape == shape and t.is_contiguous() and t.storage_offset() == 0:

@@ -159,6 +159,8 @@ class FusedExecutor:
     """Records one context's jitted calls and runs them as fused programs. ``lock`` guards the
     graph: another thread that reads one of its values flushes it."""
 
+    captures = False  # a graph capture's recorder (``eager/capture.py``) says True
+
     def __init__(self):
         self.graph = _Graph(self)
         self.lock = threading.RLock()

@@ -41,20 +41,40 @@ def _ensure(index: int) -> None:
         _offsets[index] = 0
 
 
-def next_key_args(index: int, generator: torch.Generator | None = None) -> tuple[np.uint32, np.uint32, np.uint32]:
+# While a context captures a graph (``eager/capture.py``), draws are answered by its recorder:
+# the captured program reads its (seed, offset) at each replay instead of a fixed one.
+capture_draw = None
+
+
+def next_key_args(index: int, generator: torch.Generator | None = None) -> tuple:
     """Advance ``tpu:index``'s state (or ``generator``'s) by one draw; returns (seed_hi, seed_lo,
-    offset) as uint32s."""
+    offset) as uint32s (while the context captures a graph: the recorder's values for them)."""
+    if capture_draw is not None:
+        drawn = capture_draw(index, generator)
+        if drawn is not None:
+            return drawn
+    return split(*reserve(index, generator))
+
+
+def reserve(index: int, generator: torch.Generator | None = None, count: int = 1) -> tuple[int, int]:
+    """Advance ``tpu:index``'s state (or ``generator``'s) by ``count`` draws; returns the (seed,
+    offset) of the first."""
     with _lock:
         if generator is None:
             _ensure(index)
             seed, offset = _seeds[index], _offsets[index]
-            _offsets[index] = offset + 1
+            _offsets[index] = offset + count
         else:
             if generator.device.type != "tpu":
                 raise RuntimeError(f"Expected a 'tpu' device type for generator but found "
                                    f"'{generator.device.type}'")
             seed, offset = generator.initial_seed(), generator.get_offset()
-            generator.set_offset(offset + 1)
+            generator.set_offset(offset + count)
+    return seed, offset
+
+
+def split(seed: int, offset: int) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """(seed_hi, seed_lo, offset) as the uint32s a random op's program takes."""
     return np.uint32((seed >> 32) & 0xFFFFFFFF), np.uint32(seed & 0xFFFFFFFF), np.uint32(offset & 0xFFFFFFFF)
 
 
