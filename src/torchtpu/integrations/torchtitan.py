@@ -1,0 +1,96 @@
+"""TorchTitan on ``tpu``: the debug assets its configs expect, written without a git checkout.
+
+TorchTitan (0.3) picks its device once, at import, with
+``torch._utils._get_available_device_type()``. With torchtpu installed that answers ``tpu``
+(PyTorch's device autoload registers it), so ``torchrun -m torchtitan.train`` trains on ``tpu``
+unchanged: nothing here patches TorchTitan.
+
+What a pip install lacks is the data: the debug configs read ``./tests/assets/tokenizer`` and
+the ``c4_test`` dataset from a TorchTitan git checkout, and the wheel ships neither.
+``write_debug_assets`` writes a word-level tokenizer and a generated corpus in the same formats
+(``python -m torchtpu.integrations.torchtitan DIR``); pass them with ``--hf_assets_path`` and
+``--dataloader.dataset_path``. The CPU reference run lives in ``tools/torchtitan_cpu.py``: it
+must run in a process without torchtpu, which this package cannot be imported without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+UNK_TOKEN = "[UNK]"
+
+# A toy grammar: sentences built from these word classes have structure a model can learn
+# in a few steps, so the loss curve (what the tests compare) moves rather than staying flat.
+_SUBJECTS = "the cat,a dog,my friend,the teacher,our team,the river,a child,the city".split(",")
+_VERBS = "sees,likes,builds,finds,follows,paints,reads,visits,opens,carries".split(",")
+_OBJECTS = ("a book,the bridge,an apple,the garden,a letter,the mountain,a song,the door,"
+            "a small boat,the old house").split(",")
+_TAILS = ("today,at night,in the morning,with care,near the sea,after lunch,again,"
+          "every day,for a while,quietly").split(",")
+
+
+def _sentence(rng: random.Random) -> str:
+    """One sentence of the toy grammar."""
+    return " ".join((rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS),
+                     rng.choice(_TAILS))) + " ."
+
+
+def _documents(count: int, seed: int) -> list[str]:
+    """``count`` documents of 5 to 30 sentences, the same for the same seed."""
+    rng = random.Random(seed)
+    return [" ".join(_sentence(rng) for _ in range(rng.randint(5, 30))) for _ in range(count)]
+
+
+def _vocabulary() -> list[str]:
+    """Every word the grammar uses, sorted so token ids do not depend on set order."""
+    words = {w for group in (_SUBJECTS, _VERBS, _OBJECTS, _TAILS) for p in group for w in p.split()}
+    return sorted(words | {"."})
+
+
+def _write_tokenizer(directory: Path) -> None:
+    """A word-level ``tokenizer.json`` and a ``tokenizer_config.json`` naming BOS/EOS."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    tokens = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, *_vocabulary()]
+    tokenizer = Tokenizer(WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": UNK_TOKEN}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_debug_assets(root: str | Path, documents: int = 200, seed: int = 0) -> dict[str, str]:
+    """Write a tokenizer and a ``c4_test``-format dataset under ``root``; return their paths.
+
+    Pass them to TorchTitan as ``--hf_assets_path`` and ``--dataloader.dataset_path``.
+    """
+    root = Path(root)
+    tokenizer_dir, dataset_dir = root / "tokenizer", root / "c4_test"
+    _write_tokenizer(tokenizer_dir)
+    dataset_dir.mkdir(parents=True, exist_ok=True)
+    # JSON lines with a "text" field, as TorchTitan's c4_test loader reads them ("train" in the
+    # name: the datasets library infers the split from it, and the loader asks for "train").
+    with open(dataset_dir / "c4-train.json", "w") as f:
+        for text in _documents(documents, seed):
+            f.write(json.dumps({"text": text}) + "\n")
+    return {"hf_assets_path": str(tokenizer_dir), "dataset_path": str(dataset_dir)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m torchtpu.integrations.torchtitan DIR``: write the assets, print their paths."""
+    parser = argparse.ArgumentParser(description="Write TorchTitan's debug tokenizer and dataset.")
+    parser.add_argument("directory")
+    parser.add_argument("--documents", type=int, default=200)
+    args = parser.parse_args(argv)
+    print(json.dumps(write_debug_assets(args.directory, args.documents)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build the venv that tests/test_torchtitan.py and the README's TorchTitan commands run in.
+#
+#   tools/torchtitan_env.sh [VENV_DIR]          (default /tmp/titanenv)
+#
+# The venv is made with --system-site-packages so it keeps the interpreter's torch and jax
+# (torchtitan 0.3 asks for torch>=2.11 only through its dependencies, which this torch meets);
+# it gets torchtitan 0.3 and its dependencies from the index, then this checkout's torchtpu
+# installed editable with --no-deps (the interpreter's own torchtpu is left alone).
+# The script fails if the install replaced torch. Environment: PYTHON (default python3).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${1:-/tmp/titanenv}
+PYTHON=${PYTHON:-python3}
+
+TORCH_BEFORE=$("$PYTHON" -c "import torch; print(torch.__version__)")
+[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$VENV"
+VPY=$VENV/bin/python
+
+"$VPY" -m pip install -q "torchtitan==0.3.*"
+"$VPY" -m pip install -q --no-deps -e "$REPO"
+
+TORCH_AFTER=$("$VPY" -c "import torch; print(torch.__version__)")
+if [[ $TORCH_AFTER != "$TORCH_BEFORE" ]]; then
+    echo "torchtitan's install replaced torch $TORCH_BEFORE with $TORCH_AFTER in $VENV" >&2
+    exit 1
+fi
+"$VPY" -c "import torchtitan, torchtpu, torch, importlib.metadata as m; \
+print('torchtitan', m.version('torchtitan'), '| torch', torch.__version__, '| torchtpu from', torchtpu.__file__)"
+echo "ready: $VENV (run: $VENV/bin/python -m pytest -m slow tests/test_torchtitan.py)"
