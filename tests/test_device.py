@@ -73,7 +73,9 @@ def test_synchronize_streams_events():
     s = torch.tpu.current_stream()
     s.synchronize()
     assert s.query()
-    assert_close(y.cpu(), x.cpu() * 2)
+    with torch.tpu.StreamContext(s):  # torch.cuda's spelling, entered by CUDA-minded libraries
+        z = y + 1
+    assert_close(z.cpu(), x.cpu() * 2 + 1)
 
 
 def test_memory_stats_track_live_buffers():

@@ -127,3 +127,18 @@ def default_stream(device: Any = None) -> Stream:
 @contextlib.contextmanager
 def stream(s: Stream | None) -> Iterator[None]:
     yield
+
+
+class StreamContext:
+    """``torch.cuda.StreamContext``: run a block on ``stream``. Work on a device runs in one order
+    already, so there is nothing to switch; libraries written for CUDA (SGLang's scheduler)
+    enter it all the same."""
+
+    def __init__(self, stream: Stream | None):
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
