@@ -1,0 +1,81 @@
+"""SGLang on ``tpu``: a platform plugin, an attention backend of torchtpu ops, a paged KV pool.
+
+SGLang finds this package through two entry points (``pyproject.toml``):
+
+- ``sglang.srt.platforms``: ``tpu = torchtpu.integrations.sglang:activate``. SGLang calls it
+  in every process that resolves its platform; it returns the platform class's name when
+  ``SGLANG_PLATFORM=tpu`` (or, unset, when ``tpu`` is the accelerator and CUDA is not there).
+- ``sglang.srt.plugins``: ``torchtpu = torchtpu.integrations.sglang:register``, which adds the
+  ``tpu`` attention backend to SGLang's registry and to ``--attention-backend``'s choices.
+
+Nothing here imports SGLang at torchtpu's import time.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The SGLang releases this integration was written and tested against; its platform
+# interface changes between minor releases, so others are refused rather than half-working.
+TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))  # [low, high)
+PLATFORM_CLASS = "torchtpu.integrations.sglang.platform.TpuSRTPlatform"
+BACKEND_NAME = "tpu"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as '0.5.23' or '0.5.23.post1'."""
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def check_sglang_version() -> str:
+    """The installed SGLang version; raise if it is outside the tested range."""
+    from importlib.metadata import version
+
+    installed = version("sglang")
+    low, high = TESTED_SGLANG
+    if not low <= _release(installed) < high:
+        raise RuntimeError(
+            f"torchtpu's SGLang platform supports sglang>={'.'.join(map(str, low))},"
+            f"<{'.'.join(map(str, high))}, but sglang {installed} is installed. "
+            f"Install a supported release (pip install -e '.[sglang]' or tools/sglang_env.sh)."
+        )
+    return installed
+
+
+def _wanted() -> bool:
+    """Whether this process should serve on tpu: asked for by name, or tpu is the only accelerator."""
+    if os.environ.get("SGLANG_PLATFORM"):
+        return os.environ["SGLANG_PLATFORM"] == "tpu"
+    import torch
+
+    # Auto-selection must not take a CUDA machine away from SGLang's own CUDA platform.
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == "tpu" and not torch.cuda.is_available()
+
+
+def activate() -> str | None:
+    """Entry point of ``sglang.srt.platforms``: the platform class's name, or None to decline."""
+    if not _wanted():
+        return None
+    check_sglang_version()
+    # SGLang resolves its platform while `import sglang` is still running: importing its
+    # attention registry here would be circular; `register` runs later, from load_plugins.
+    return PLATFORM_CLASS
+
+
+def register() -> None:
+    """Entry point of ``sglang.srt.plugins``: make ``--attention-backend tpu`` known to SGLang."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    if BACKEND_NAME in ATTENTION_BACKENDS:
+        return
+
+    def create(model_runner):
+        from torchtpu.integrations.sglang.attention import TpuAttnBackend
+
+        return TpuAttnBackend(model_runner)
+
+    ATTENTION_BACKENDS[BACKEND_NAME] = create
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        ATTENTION_BACKEND_CHOICES.append(BACKEND_NAME)

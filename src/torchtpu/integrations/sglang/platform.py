@@ -1,0 +1,119 @@
+"""``TpuSRTPlatform``: what SGLang asks of a device, answered for ``tpu``.
+
+No Triton, no CUDA graphs: SGLang then takes its torch-native allocator and request-to-token
+writers, and fused layers (RMSNorm, rotary, SiLU-and-mul) their ``forward_native`` bodies,
+which run as ordinary torch ops on tpu tensors. Attention is :mod:`.attention`; the KV pool
+is :mod:`.kv_pool`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+from torchtpu.integrations.sglang import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+# On XLA:CPU the KV pool is carved from host memory that the rest of the machine shares;
+# SGLang's GPU rule (most of the free memory) would take the host. Without an explicit
+# --max-total-tokens the pool gets this many tokens there.
+HOST_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+def _host_backed(device_id: int = 0) -> bool:
+    """Whether the tpu device is XLA:CPU, whose memory is the host's."""
+    return torch.tpu.get_device_name(device_id).startswith("XLA:CPU")
+
+
+class TpuSRTPlatform(SRTPlatform):
+    """SGLang platform for torchtpu's ``tpu`` device (TPU, GPU or CPU through XLA)."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "tpu"
+    device_type = "tpu"
+    capabilities = PlatformCapabilities()  # no Triton, no graph capture: the conservative answers
+
+    # ---- device
+    def get_device(self, device_id: int | None = None) -> str:
+        return "tpu" if device_id is None else f"tpu:{device_id}"
+
+    def set_device(self, device: torch.device) -> None:
+        torch.tpu.set_device(device)
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return torch.tpu.get_device_name(device_id)
+
+    def get_device_uuid(self, device_id: int = 0) -> str:
+        return f"tpu:{device_id}"
+
+    def get_device_capability(self, device_id: int = 0):
+        return None
+
+    def empty_cache(self) -> None:
+        torch.tpu.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.tpu.synchronize()
+
+    # ---- memory: SGLang sizes the KV pool from total - usage
+    def get_available_memory(self, device_id: int = 0) -> tuple[int, int]:
+        free, total = torch.tpu.mem_get_info(device_id)
+        if _host_backed(device_id):
+            # XLA:CPU's free figure counts only tpu tensors; other processes use the host too.
+            free = min(free, psutil.virtual_memory().available)
+        return free, total
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return self.get_available_memory(device_id)[1]
+
+    def get_current_memory_usage(self, device: torch.device | None = None) -> float:
+        index = 0 if device is None or torch.device(device).index is None else torch.device(device).index
+        free, total = self.get_available_memory(index)
+        return float(total - free)
+
+    # ---- SGLang subsystems
+    def get_default_attention_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_kv_pool_cls(self, *, kind: str):
+        if kind != "mha":
+            # SGLang asks for every kind while configuring; models that use MLA/DSA pools are
+            # refused by the attention backend, which supports multi-head/grouped-query only.
+            return None
+        from torchtpu.integrations.sglang.kv_pool import TpuMHATokenToKVPool
+
+        return TpuMHATokenToKVPool
+
+    def get_compile_backend(self, mode: str | None = None) -> str:
+        return "tpu"
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"
+
+    def get_torch_distributed_backend_str(self) -> str:
+        # SGLang's group coordinators bind to CPU tensors for out-of-tree devices.
+        return "gloo"
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        """Defaults SGLang's GPU rules would get wrong on tpu (graph capture, host memory)."""
+        server_args.disable_cuda_graph = True
+        # Overlap scheduling runs the scheduler on a second CUDA stream; XLA already dispatches
+        # asynchronously, on one stream.
+        server_args.disable_overlap_schedule = True
+        if server_args.max_total_tokens is None and _host_backed():
+            server_args.max_total_tokens = HOST_DEFAULT_MAX_TOTAL_TOKENS
+            logger.info(
+                "tpu is XLA:CPU (host memory): KV pool capped at %d tokens; "
+                "set --max-total-tokens to change it.", HOST_DEFAULT_MAX_TOTAL_TOKENS,
+            )
+
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CPU"
+
+    def get_torch_profiler_activity(self) -> torch.profiler.ProfilerActivity:
+        return torch.profiler.ProfilerActivity.CPU
