@@ -158,7 +158,17 @@ for total in totals:
     dist.all_reduce(total)  # block j summed over the ranks (gloo), for rank j
 expected = totals[RANK]
 same("reduce_scatter (list)", out_t, expected)
-done("reduce_scatter_tensor (sum, max, min, avg), reduce_scatter")
+x = data((WORLD * 2, 3), torch.float32)
+full = x.clone()
+dist.all_reduce(full)  # gloo has no PREMUL_SUM: compare with factor * SUM
+for factor in (0.25, torch.tensor(0.25).to(DEV)):  # FSDP2's gradient divide factor: a float or a tensor
+    out_t = torch.empty(2, 3, device=DEV)
+    dist.reduce_scatter_tensor(out_t, x.to(DEV), op=dist._make_nccl_premul_sum(factor))
+    same("reduce_scatter_tensor premul_sum", out_t, (full * 0.25)[RANK * 2:(RANK + 1) * 2])
+t = x.to(DEV)
+dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
+same("all_reduce premul_sum", t, full * 2.0)
+done("reduce_scatter_tensor (sum, max, min, avg, premul_sum), reduce_scatter, all_reduce premul_sum")
 
 # ---------------------------------------------------------------- all_to_all
 x = data((WORLD * 3, 2), torch.float32)

@@ -52,7 +52,23 @@ def _op_name(reduce_op) -> str:
         return _OPS[name]
     except KeyError:
         raise ValueError(f"tpu backend: ReduceOp.{name} is not supported (SUM, AVG, PRODUCT, MIN, MAX, "
-                         f"BAND, BOR, BXOR are)") from None
+                         f"BAND, BOR, BXOR, PREMUL_SUM are)") from None
+
+
+def _reduction(opts, x: jax.Array) -> tuple[str, jax.Array]:
+    """The reduce op of ``opts`` (sum when none) and the local input it applies to.
+
+    ``PREMUL_SUM(factor)`` (FSDP2 asks for it when a gradient divide factor is set) is a sum of
+    the inputs each multiplied by the factor first, as NCCL defines it.
+    """
+    reduce_op = opts.reduceOp if opts is not None else None
+    if reduce_op is None or getattr(reduce_op, "op", reduce_op).name != "PREMUL_SUM":
+        return (_op_name(reduce_op) if reduce_op is not None else "sum"), x
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ValueError(f"tpu backend: ReduceOp.PREMUL_SUM needs a floating-point tensor, got {x.dtype}")
+    factor = reduce_op.__getstate__()[1]  # a float or a 0-d tensor
+    factor = factor.item() if isinstance(factor, torch.Tensor) else factor
+    return "sum", (x * factor).astype(x.dtype)
 
 
 def _check_tensor(t: torch.Tensor) -> None:
@@ -211,9 +227,8 @@ class ProcessGroupTPU(Backend):
 
     # ------------------------------------------------------------ collectives
     def allreduce(self, tensors, opts=None):
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
         for t in tensors:
-            x = _local(t)
+            op, x = _reduction(opts, _local(t))
             if op in _BITWISE and jnp.issubdtype(x.dtype, jnp.inexact):
                 raise ValueError(f"tpu backend: ReduceOp.{op.upper()} needs an integer or bool tensor, got {t.dtype}")
             (out,) = self._run("all_reduce", ("all_reduce", op), programs.all_reduce(op), [x])
@@ -232,9 +247,10 @@ class ProcessGroupTPU(Backend):
         return _done(list(tensors))
 
     def reduce(self, tensors, opts):
-        op, root = _op_name(opts.reduceOp), opts.rootRank
+        root = opts.rootRank
         for t in tensors:
-            (out,) = self._run("reduce", ("all_reduce", op), programs.all_reduce(op), [_local(t)])
+            op, x = _reduction(opts, _local(t))
+            (out,) = self._run("reduce", ("all_reduce", op), programs.all_reduce(op), [x])
             if self.rank() == root:
                 _store(t, out)
         return _done(list(tensors))
@@ -278,13 +294,12 @@ class ProcessGroupTPU(Backend):
         return self.allgather(output_lists, inputs, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
         n = self.size()
         if input.numel() != output.numel() * n:
             raise ValueError(f"tpu backend: reduce_scatter_tensor: input has {input.numel()} elements, expected "
                              f"{n} x {output.numel()}")
         _check_tensor(output)
-        x = _local(input).reshape(-1)
+        op, x = _reduction(opts, _local(input).reshape(-1))
         (out,) = self._run("reduce_scatter_tensor", ("reduce_scatter", op), programs.reduce_scatter(op), [x])
         _store(output, out)
         return _done([output])
@@ -299,12 +314,11 @@ class ProcessGroupTPU(Backend):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        op = _op_name(opts.reduceOp) if opts is not None else "sum"
         for output, inputs in zip(outputs, input_lists):
             if len(inputs) != self.size():
                 raise ValueError(f"tpu backend: reduce_scatter needs {self.size()} input tensors, got {len(inputs)}")
             _check_tensor(output)
-            x = jnp.concatenate([_local(i).reshape(-1) for i in inputs])
+            op, x = _reduction(opts, jnp.concatenate([_local(i).reshape(-1) for i in inputs]))
             (out,) = self._run("reduce_scatter", ("reduce_scatter", op), programs.reduce_scatter(op), [x])
             _store(output, out)
         return _done(list(outputs))
