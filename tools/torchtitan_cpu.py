@@ -10,7 +10,8 @@ that needs, in its own process, then calls ``torchtitan.train.main()``:
 * the device probe (run once, when ``torchtitan.tools.utils`` is imported) answers ``cpu``, with
   ``torch.cpu`` plus the few device-module calls TorchTitan makes that ``torch.cpu`` lacks;
 * ``FlexAttention``'s compiled kernel is replaced by the same attention computed densely: the
-  BlockMask's ``mask_mod`` as a boolean mask for ``scaled_dot_product_attention``.
+  BlockMask's ``mask_mod`` as a boolean mask for ``scaled_dot_product_attention``;
+* FSDP2 reduces gradients with SUM then scales them (gloo has no ``PREMUL_SUM``).
 
 torchtpu must not be loaded here (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``): with ``tpu`` registered,
 ``torch.distributed`` sends the CPU run's barriers to the ``tpu`` accelerator.
@@ -83,6 +84,20 @@ def _dense_flex_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, 
     return out, AuxOutput()
 
 
+def _fsdp_reduces_with_sum() -> None:
+    """Make FSDP2 reduce gradients with SUM and scale them itself, as it does for MTIA: with a
+    divide factor set (TorchTitan sets 1.0) it asks for ``PREMUL_SUM``, which gloo lacks."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    choose = collectives._get_gradient_divide_factors
+
+    def sum_only(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type="", factor=None,
+                 force_sum_reduction_for_comms=False):
+        return choose(reduce_scatter_group, all_reduce_group, reduce_dtype, device_type, factor, True)
+
+    collectives._get_gradient_divide_factors = sum_only
+
+
 def main() -> None:
     """Set TorchTitan up for the CPU, then run its entry point with this script's arguments."""
     import torch
@@ -98,6 +113,7 @@ def main() -> None:
     from torchtitan.train import main as titan_main
 
     FlexAttention._compiled_flex_attn = _dense_flex_attention
+    _fsdp_reduces_with_sum()
     titan_main()
 
 
