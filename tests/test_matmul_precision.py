@@ -241,3 +241,91 @@ def test_an_eager_kernel_of_an_unmarked_lowering_raises():
     kernel = dispatch.Kernel(unmarked)
     with pytest.raises(RuntimeError, match=r"the lowering of aten.mm.default asks .* dots=True"):
         kernel(tpu(28, 2), tpu(2, 3))
+
+
+# ---------------------------------------------------------------- attention and the fused loss
+# SDPA's fused op, flex_attention's HOPs and F.linear_cross_entropy's chunked op compute their
+# own dots (not through mm): they follow the setting too, eager and compiled, forward and backward.
+
+TOLERANCE = {"highest": dict(rtol=1e-5, atol=1e-5), "medium": dict(rtol=1e-2, atol=1e-2)}  # bf16: 8 bits
+
+
+def _score_mod(s, b, h, i, j):
+    return s - (i - j).abs() * 0.1
+
+
+def _llm_kernels(q, k, v, x, w, t):
+    """SDPA, flex_attention and the chunked linear cross-entropy: (their outputs, a loss of all)."""
+    from torch.nn import LinearCrossEntropyOptions
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # compiled, each kernel is a graph of its own: each must carry the setting in its key
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch._dynamo.graph_break()
+    flex = flex_attention(q, k, v, score_mod=_score_mod)
+    torch._dynamo.graph_break()
+    outs = (sdpa, flex, F.linear_cross_entropy(x, w, t, options=LinearCrossEntropyOptions()))
+    return outs, sum(o.sum() for o in outs)
+
+
+def _llm_inputs(seed: int) -> list[torch.Tensor]:
+    """CPU inputs of ``_llm_kernels`` on shapes of their own (``seed``)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 29 + seed
+    return [*(torch.randn(1, 2, n, 8, generator=gen) for _ in range(3)), torch.randn(n, 6, generator=gen),
+            torch.randn(11, 6, generator=gen), torch.randint(0, 11, (n,), generator=gen)]
+
+
+def _run_llm(fn, inputs, device: str, setting: str = "highest", grads: bool = True):
+    """``fn``'s outputs (and the gradients of its float inputs) on ``device`` at ``setting``."""
+    leaves = [x.detach().to(device).requires_grad_(grads and x.is_floating_point()) for x in inputs]
+    with torch.tpu.matmul_precision(setting):
+        outs, loss = fn(*leaves)
+        if grads:
+            loss.backward()
+    return [o.detach().cpu() for o in outs] + [x.grad.cpu() for x in leaves if x.grad is not None]
+
+
+def _precisions(dumps, parts: list[str]) -> list[list[str]]:
+    """For each name part, the precisions of the dots of the programs compiled since the last call."""
+    new = dumps.new()
+    return [sorted({p for name, ps in new if part in name for p in ps}) for part in parts]
+
+
+def _check_llm_kernels(dumps, fn, inputs, parts, grads: bool):
+    """At each setting: results match the CPU's (the looser tolerance under "medium"; gradients:
+    the "highest" ones, as CPU flex_attention has no backward); the programs' dots have its
+    precision; a change of setting compiles them again, a return to one does not."""
+    cpu_outs = _run_llm(_llm_kernels, inputs, "cpu", grads=False)
+    reference = _run_llm(fn, inputs, "tpu", grads=grads)
+    for got, expected in zip(reference, cpu_outs):
+        torch.testing.assert_close(got, expected, **TOLERANCE["highest"])
+    assert _precisions(dumps, parts) == [["HIGHEST"]] * len(parts)
+    medium = _run_llm(fn, inputs, "tpu", "medium", grads=grads)
+    for got, expected in zip(medium, cpu_outs + reference[3:], strict=True):
+        torch.testing.assert_close(got, expected, **TOLERANCE["medium"])
+    assert _precisions(dumps, parts) == [["DEFAULT"]] * len(parts)
+    _run_llm(fn, inputs, "tpu", grads=grads)
+    assert _precisions(dumps, parts) == [[]] * len(parts)
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_llm_kernels_follow_the_setting_eager(dumps):
+    parts = ["fused_attention_overrideable_default", "fused_attention_overrideable_backward",
+             "flex_attention_forward", "flex_attention_backward", "linear_cross_entropy_batch_chunked"]
+    _check_llm_kernels(dumps, _llm_kernels, _llm_inputs(0), parts, grads=True)
+
+
+@pytest.mark.slow  # 3-4 s on a quiet machine (dynamo traces flex_attention), 8 s loaded: CI's budget
+@pytest.mark.usefixtures("no_fallback")
+def test_llm_kernels_follow_the_setting_compiled(dumps):
+    fn = torch.compile(_llm_kernels, backend="tpu")
+    _check_llm_kernels(dumps, fn, _llm_inputs(1), ["torchtpu_"], grads=True)  # the forward and backward graphs
+
+
+def test_low_precision_attention_is_unaffected(dumps):
+    """bf16 inputs compute in fp32 inside the kernel, at HIGHEST whatever the setting (as a bf16 mm)."""
+    q = tpu(1, 2, 35, 8, dtype=torch.bfloat16)
+    with torch.tpu.matmul_precision("medium"):
+        F.scaled_dot_product_attention(q, q, q).cpu()
+    assert dumps.named("fused_attention_overrideable") == [["HIGHEST", "HIGHEST"]]

@@ -7,7 +7,9 @@ compiled graphs and for eager calls.
 interpreter (``graph.GraphFunction``) on JAX values, so the modifiers are traced into the graph's
 one program. In eager (PyTorch runs the HOPs through its ``eager`` dynamo backend), the
 PrivateUse1 kernels ``eager_forward``/``eager_backward`` trace the modifiers to aten with
-``make_fx`` once per function and build one jitted program per (modifiers, block sizes, scale).
+``make_fx`` once per function and build one jitted program per (modifiers, block sizes, scale,
+matmul precision setting). Both follow ``torch.set_float32_matmul_precision`` as the ``dots=True``
+lowerings do: the setting is in the programs' keys and pinned while they are traced.
 
 PyTorch's HOPs return log-sum-exp and row maxima in log2 (its math implementation divides by
 ln 2 and the frontend multiplies back); these lowerings do the same.
@@ -34,6 +36,7 @@ from torchtpu import caches
 from torchtpu.compile import graph as graph_lowering
 from torchtpu.device import bridge
 from torchtpu.ops import flex_attention as flex
+from torchtpu.ops import precision
 
 LN2 = math.log(2.0)
 _LARGE_BLOCK = 1 << 30  # PyTorch's block size for "no BlockMask given": one block, nothing skipped
@@ -103,6 +106,8 @@ def lower_backward(q, k, v, out, lse, grad_out, grad_lse, fw_graph, joint_graph,
                      mask_buffers, wanted)
 
 
+# their dots follow torch's matmul precision: a graph holding them keys its programs on the setting
+lower_forward.dots = lower_backward.dots = True
 LOWERINGS = {"flex_attention": lower_forward, "flex_attention_backward": lower_backward}
 
 
@@ -153,12 +158,26 @@ def _filled(present: tuple[bool, ...], arrays: list) -> tuple:
 
 
 def _program(kind: str, graphs: tuple, statics: tuple) -> Callable:
-    key = (kind, graphs, statics)
+    """The jitted program of one (modifiers, statics) at the current matmul precision setting."""
+    setting = precision.setting()
+    key = (kind, graphs, statics, setting)
     program = _programs.get(key)
     if program is None:
         build = _build_forward if kind == "forward" else _build_backward
-        program = _programs[key] = jax.jit(build(*map(element_function, graphs), *statics))
+        program = _programs[key] = jax.jit(_pinned(build(*map(element_function, graphs), *statics), setting,
+                                                   f"flex_attention's {kind}"))
     return program
+
+
+def _pinned(run: Callable, setting: str, what: str) -> Callable:
+    """``run`` tracing with the matmul precision ``setting`` its program's key carries (it may be
+    traced later, when a deferred eager program runs)."""
+    def pinned(*args):
+        with precision.tracing(setting, what):
+            return run(*args)
+
+    pinned.__name__ = what.replace("'s ", "_")  # names the program (profiles, IR dumps)
+    return pinned
 
 
 def _build_forward(score_fn, mask_fn, scale, sizes, present, n_score) -> Callable:

@@ -110,7 +110,8 @@ class _ArrayOutputs(Lowering):
 
 def _array_kernel(op) -> dispatch.Kernel:
     low = registry.LOWERINGS[op]
-    return dispatch.Kernel(_ArrayOutputs(op, low.fn, random=low.random))
+    # dots: its programs follow (and key on) torch's matmul precision, as any dots=True kernel's
+    return dispatch.Kernel(_ArrayOutputs(op, low.fn, random=low.random, dots=low.dots))
 
 
 def _fused_kernel():

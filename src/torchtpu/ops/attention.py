@@ -16,6 +16,9 @@ Lowered here:
   ``philox_seed`` output carries the dropout key to the backward.
 - ``_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): the same attention, no dropout.
 
+fp32 inputs' dots follow ``torch.set_float32_matmul_precision`` (``dots=True``; ``precision.py``);
+bf16/fp16 inputs, computed in fp32, keep HIGHEST (the setting is about fp32).
+
 Platform overrides (``platform="gpu"``: cuDNN through ``jax.nn.dot_product_attention``;
 ``platform="tpu"``: the Pallas flash kernel) are registered when their JAX modules import; they
 fall back to the generic lowering for what they do not support. Neither has run on this project's
@@ -33,9 +36,9 @@ import numpy as np
 from jax import lax
 
 from torchtpu.ops.dtypes import to_opmath as _up
+from torchtpu.ops.precision import matmul_precision
 from torchtpu.ops.registry import aten, lowering
 
-HIGHEST = lax.Precision.HIGHEST
 # Block sizes, measured (docs/design.md): up to SINGLE_BLOCK keys and queries the attention is one
 # block (no loop); beyond, BLOCK_Q × BLOCK_K tiles. Causal fwd+bwd at 1k ran 373 ms in 256-blocks,
 # 382 ms in 512-blocks, 551 ms as one block (the tiles skip the blocks above the diagonal); at 4k
@@ -85,6 +88,7 @@ class _Problem:
         self.nq, self.nk = -(-self.length // block_q), -(-self.kv_length // block_k)
         self.scale, self.causal, self.score_mod = scale, causal, score_mod
         self.dropout_p, self.key = dropout_p, key
+        self.precision = matmul_precision(q.dtype)  # torch's fp32 matmul precision (ops/precision.py)
         self.bias = None if bias is None else _pad(_pad(bias, 3, self.nq * block_q if bias.shape[3] > 1 else 1),
                                                    4, self.nk * block_k if bias.shape[4] > 1 else 1)
 
@@ -102,7 +106,7 @@ class _Problem:
     def scores(self, qi, kj, i, j):
         """The (B, Hk, G, bq, bk) scores of block (i, j), masked with -inf; with the raw scores'
         vjp through ``score_mod`` (None without one)."""
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, precision=HIGHEST)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, precision=self.precision)
         q_idx = i * self.bq + lax.broadcasted_iota(jnp.int32, (self.bq, 1), 0)
         k_idx = j * self.bk + lax.broadcasted_iota(jnp.int32, (1, self.bk), 1)
         mod_vjp = None
@@ -147,7 +151,7 @@ def _forward_q_block(prob: _Problem, q, k, v, i):
         total = rescale * total + jnp.sum(p, axis=-1)
         p = prob.dropout(p, i, j)
         vj = _slice(v, 2, j * prob.bk, prob.bk)
-        acc = rescale[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", p, vj, precision=HIGHEST)
+        acc = rescale[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", p, vj, precision=prob.precision)
         return new_peak, total, acc
 
     init = (jnp.full((b, h, g, prob.bq), -jnp.inf, q.dtype), jnp.zeros((b, h, g, prob.bq), q.dtype),
@@ -234,8 +238,8 @@ def _backward_kv_block(prob: _Problem, tensors, j, carry):
         qi, gi = _slice(q, 3, i * prob.bq, prob.bq), _slice(g, 3, i * prob.bq, prob.bq)
         s, mod_vjp = prob.scores(qi, kj, i, j)
         p = jnp.exp(s - _slice(lse, 3, i * prob.bq, prob.bq)[..., None])
-        dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", prob.dropout(p, i, j), gi, precision=HIGHEST)
-        dp = prob.dropout(jnp.einsum("bhgqd,bhkd->bhgqk", gi, vj, precision=HIGHEST), i, j)
+        dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", prob.dropout(p, i, j), gi, precision=prob.precision)
+        dp = prob.dropout(jnp.einsum("bhgqd,bhkd->bhgqk", gi, vj, precision=prob.precision), i, j)
         ds = p * (dp - _slice(delta, 3, i * prob.bq, prob.bq)[..., None])
         if dbias is not None:
             at = [0, 0, 0, i * prob.bq if dbias.shape[3] > 1 else 0, j * prob.bk if dbias.shape[4] > 1 else 0]
@@ -244,8 +248,8 @@ def _backward_kv_block(prob: _Problem, tensors, j, carry):
             dbias = lax.dynamic_update_slice(dbias, block + _reduce_to(ds, block.shape), at)
         if mod_vjp is not None:
             ds, = mod_vjp(ds)
-        dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, qi, precision=HIGHEST)
-        dqi = jnp.einsum("bhgqk,bhkd->bhgqd", ds, kj, precision=HIGHEST) * prob.scale
+        dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, qi, precision=prob.precision)
+        dqi = jnp.einsum("bhgqk,bhkd->bhgqd", ds, kj, precision=prob.precision) * prob.scale
         dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, 3, i * prob.bq, prob.bq) + dqi, i * prob.bq, 3)
         return dk, dv, dq, dbias
 
@@ -321,7 +325,7 @@ def _check(query, key, value, name: str):
                            f"{value.ndim}")
 
 
-@lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+@lowering(aten._scaled_dot_product_fused_attention_overrideable.default, random=True, dots=True)
 def fused_attention(rng_key, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
                     return_debug_mask=False, *, scale=None):
     _check(query, key, value, "_scaled_dot_product_fused_attention_overrideable")
@@ -334,7 +338,7 @@ def fused_attention(rng_key, query, key, value, attn_bias=None, dropout_p=0.0, i
             jnp.zeros((), jnp.int64), None)
 
 
-@lowering(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+@lowering(aten._scaled_dot_product_fused_attention_overrideable_backward.default, dots=True)
 def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
                              scale=None):
@@ -351,14 +355,14 @@ def _check_flash(query, key, value, dropout_p):
                                   "supported; F.scaled_dot_product_attention runs dropout in its fused op")
 
 
-@lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@lowering(aten._scaled_dot_product_flash_attention_for_cpu.default, dots=True)
 def flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     _check_flash(query, key, value, dropout_p)
     out, lse = blockwise_attention(query, key, value, attn_mask, scale=scale, causal=is_causal)
     return out, lse
 
 
-@lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@lowering(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, dots=True)
 def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                                      attn_mask=None, scale=None):
     _check_flash(query, key, value, dropout_p)
@@ -418,8 +422,11 @@ except ImportError:  # pragma: no cover - depends on the jax build
 
 
 def _pallas_takes(query, key, value, attn_bias, dropout_p) -> bool:
+    # the kernel's dots run at the default precision (one bf16 pass on the MXU): fp32 inputs take
+    # it only when torch's matmul precision asks for that ("medium")
+    fp32_ok = query.dtype == jnp.float32 and matmul_precision(query.dtype) == lax.Precision.DEFAULT
     return (_pallas is not None and not dropout_p and query.shape[1] == key.shape[1]
-            and (attn_bias is None or attn_bias.dtype != jnp.bool_) and query.dtype in (jnp.float32, jnp.bfloat16))
+            and (attn_bias is None or attn_bias.dtype != jnp.bool_) and (query.dtype == jnp.bfloat16 or fp32_ok))
 
 
 def _pallas_bias(query, key, attn_bias):

@@ -14,7 +14,8 @@ floating captured buffers) is ``jax.vjp`` of it, block by block.
 
 Scores, softmax and accumulation run in float32 (float64 for float64 inputs), PyTorch's working
 precision; ``lse`` and ``max_scores`` are natural-log values (PyTorch's HOP works in log2: the
-caller converts).
+caller converts). fp32 inputs' dots follow ``torch.set_float32_matmul_precision``
+(``precision.matmul_precision``: callers pin the setting while they trace); others keep HIGHEST.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-HIGHEST = lax.Precision.HIGHEST
+from torchtpu.ops.precision import matmul_precision
+
 DENSE_TILE = 128  # tile of a call without a BlockMask (PyTorch's default block size)
 
 
@@ -68,6 +70,7 @@ class _Problem:
             raise ValueError(f"flex_attention: key/value heads {self.Hk} (batch {self.Bk}) do not "
                              f"broadcast to query heads {self.H} (batch {self.B})")
         self.work = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        self.precision = matmul_precision(q.dtype)  # torch's fp32 matmul precision (ops/precision.py)
         self.QB, self.KB, self.scale = blocks.q_block, blocks.kv_block, scale
         self.NQ = -(-self.Lq // self.QB)
         nk = max(-(-self.Lk // self.KB), blocks.kv_indices.shape[-1])
@@ -112,7 +115,7 @@ class _Problem:
         def modified(raw, *buffers):
             return self.score(raw, self.b, self.h, q_idx, kv_idx, *buffers).astype(self.work)
 
-        raw = jnp.einsum("bhqe,bhke->bhqk", qb, k, precision=HIGHEST) * self.scale
+        raw = jnp.einsum("bhqe,bhke->bhqk", qb, k, precision=self.precision) * self.scale
         return raw, modified, keep, k, v, kv_block
 
 
@@ -156,7 +159,7 @@ def forward(q, k, v, score_mod, mask_mod, blocks: Blocks, scale: float, score_bu
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing kept yet
             e = jnp.exp(s - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            acc = acc * alpha[..., None] + jnp.einsum("bhqk,bhke->bhqe", e, vb, precision=HIGHEST)
+            acc = acc * alpha[..., None] + jnp.einsum("bhqk,bhke->bhqe", e, vb, precision=p.precision)
             return m_new, l * alpha + e.sum(-1), acc
 
         shape = (p.B, p.H, p.QB)
@@ -199,14 +202,14 @@ def backward(q, k, v, out, lse, grad_out, grad_lse, score_mod, mask_mod, blocks:
             raw, modified, keep, kb, vb, kv_block = p.block(qb, i, kv_block, valid, masked, p.score_buffers)
             s, vjp = jax.vjp(lambda r, *g: modified(r, *with_grads(g)), raw, *[p.score_buffers[j] for j in wanted])
             prob = jnp.where(keep, jnp.exp(s - lse_b[..., None]), 0.0)
-            dp = jnp.einsum("bhqe,bhke->bhqk", dob, vb, precision=HIGHEST)
+            dp = jnp.einsum("bhqe,bhke->bhqk", dob, vb, precision=p.precision)
             ds = prob * (dp - delta_b[..., None] + dlse_b[..., None])
             draw, *dg = vjp(ds)
             draw = jnp.where(keep, draw, 0.0) * p.scale
-            dq = dq + jnp.einsum("bhqk,bhke->bhqe", draw, kb, precision=HIGHEST)
+            dq = dq + jnp.einsum("bhqk,bhke->bhqe", draw, kb, precision=p.precision)
             at = (p.b[:, None], p.h[None, :], kv_block)
-            dk = dk.at[at].add(jnp.einsum("bhqk,bhqe->bhke", draw, qb, precision=HIGHEST))
-            dv = dv.at[at].add(jnp.einsum("bhqk,bhqe->bhke", prob, dob, precision=HIGHEST))
+            dk = dk.at[at].add(jnp.einsum("bhqk,bhqe->bhke", draw, qb, precision=p.precision))
+            dv = dv.at[at].add(jnp.einsum("bhqk,bhqe->bhke", prob, dob, precision=p.precision))
             return dq, dk, dv, tuple(a + g.astype(a.dtype) for a, g in zip(dbuf, dg))
 
         dk, dv, dbuf = carry

@@ -12,7 +12,9 @@ alike (``benchmarks/linear_cross_entropy.py`` measures the peak). Each chunk's g
 
 Logits and sums are computed in float32 at least (``opmath`` of the op's ``acc_dtype``): on
 ``tpu`` PyTorch's options resolve ``acc_dtype`` to the input's dtype, which for bfloat16 would
-sum 32k logits in bfloat16; PyTorch's CPU path accumulates those in float32 too.
+sum 32k logits in bfloat16; PyTorch's CPU path accumulates those in float32 too. The logits'
+product of fp32 inputs follows ``torch.set_float32_matmul_precision`` (``dots=True``), as
+``F.linear``'s does.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchtpu.ops.dtypes import opmath, to_jax_dtype
+from torchtpu.ops.precision import matmul_precision
 from torchtpu.ops.registry import lowering
 
 try:  # torch >= 2.14 defines the chunked ops when this module is imported
     from torch.nn.modules import linear_cross_entropy as _torch_lce
 except ImportError:  # pragma: no cover - an older torch: nothing to lower
     _torch_lce = None
-
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def _row_coefficients(target, weight, n: int, reduction: str, ignore_index: int, acc):
@@ -50,7 +51,8 @@ def _row_coefficients(target, weight, n: int, reduction: str, ignore_index: int,
 
 def _row_losses(x, w, bias, target, weight, ignore_index: int, acc):
     """Unweighted-by-reduction cross-entropy of each row of one chunk (its logits live only here)."""
-    logits = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=acc)
+    logits = lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=matmul_precision(x.dtype),
+                             preferred_element_type=acc)
     if bias is not None:
         logits = logits + bias.astype(acc)
     lse = jax.nn.logsumexp(logits, axis=1)
@@ -140,7 +142,7 @@ if _torch_lce is not None:
     _chunked_op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
     _no_reduction_op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default
 
-    @lowering(_chunked_op)
+    @lowering(_chunked_op, dots=True)
     def linear_cross_entropy_chunked(x, w, target, bias, weight, reduction, ignore_index, label_smoothing,
                                      batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
                                      compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
@@ -152,7 +154,7 @@ if _torch_lce is not None:
         return chunked_loss_and_grads(x, w, target, bias, weight, reduction, ignore_index,
                                       rows_per_chunk(x.shape[0], batch_chunk_size), acc_dtype, grads)
 
-    @lowering(_no_reduction_op)
+    @lowering(_no_reduction_op, dots=True)
     def linear_cross_entropy_chunked_no_reduction(x, w, target, bias, weight, ignore_index, batch_chunk_size,
                                                   acc_policy, acc_dtype):
         _check(x, target, "none", 0.0)

@@ -15,8 +15,11 @@ under autocast, fp64) are unaffected in practice: the setting is about fp32 only
 
 **Which ops follow it.** Lowerings registered with ``@lowering(..., dots=True)`` — the matrix
 products (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ...), the convolutions and ``cdist``'s
-matmul form — pass ``precision=matmul_precision()``. Dots that implement something
-other than a user's product keep ``Precision.HIGHEST``: ``ctc_loss``'s one-hot gather,
+matmul form — pass ``precision=matmul_precision()``; so do the attention lowerings (SDPA's fused
+op, flex_attention's HOPs) and the chunked ``linear_cross_entropy``, as
+``matmul_precision(input_dtype)``: they compute bf16/fp16 inputs in fp32, and those stay at
+HIGHEST, as a bf16 ``mm`` is unaffected. Dots that implement something other than a user's
+product keep ``Precision.HIGHEST``: ``ctc_loss``'s one-hot gather,
 interpolation weights, linear-algebra reconstructions (PyTorch computes those in full precision
 and without a matmul on every device).
 
@@ -37,6 +40,7 @@ import contextvars
 import threading
 from typing import Iterator
 
+import numpy as np
 import torch
 from jax import lax
 from torch._C import _get_obj_in_tls, _is_key_in_tls
@@ -122,13 +126,17 @@ class tracing:
         _traced.pin = self.previous
 
 
-def matmul_precision() -> lax.Precision:
-    """The ``precision=`` of an fp32 dot or convolution in a lowering registered with ``dots=True``."""
+def matmul_precision(dtype=None) -> lax.Precision:
+    """The ``precision=`` of an fp32 dot or convolution in a lowering registered with ``dots=True``;
+    given the op's input ``dtype``, HIGHEST unless it is float32."""
     pin = getattr(_traced, "pin", None)
     if pin is None:  # called outside an executor (a test, check_override): the current setting
-        return PRECISIONS[setting()]
-    if pin.__class__ is _Unmarked:
+        pin = setting()
+    elif pin.__class__ is _Unmarked:
         raise RuntimeError(f"tpu: {pin.what} asks for the matmul precision, but its op is not registered with "
                            f"@lowering(..., dots=True), so its programs would not follow "
                            f"torch.set_float32_matmul_precision; register it with dots=True")
+    # the setting is about fp32: a lowering that computes bf16/fp16 inputs in fp32 (attention) keeps HIGHEST
+    if dtype is not None and dtype != np.float32:
+        return lax.Precision.HIGHEST
     return PRECISIONS[pin]
