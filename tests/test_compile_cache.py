@@ -1,4 +1,5 @@
-"""The persistent compilation cache across processes: reuse, corrupt entries, buffer donation."""
+"""The compilation caches across processes: XLA executables (JAX's persistent cache), aot_autograd's
+graphs (PyTorch's AOTAutograd cache, compile/warm.py), corrupt entries, buffer donation."""
 
 import json
 import os
@@ -40,7 +41,8 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(cache_dir) -> dict:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(fresh_cache_dir(cache_dir)), "TORCHTPU_PLATFORM": "cpu"}
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(fresh_cache_dir(cache_dir)), "TORCHTPU_PLATFORM": "cpu",
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "torch"), "TORCHTPU_WARM_START": "aot"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,6 +68,8 @@ def test_first_process_compiles_and_writes_the_cache(warm_cache):
     assert first["compilations"] >= 1
     assert first["persistent_hits"] == 0
     assert first["persistent_writes"] >= 1
+    assert first["warm_writes"] == first["warm_misses"] >= 1  # aot_autograd's graphs, stored
+    assert first["warm_hits"] == 0
     assert cache_files(cache_dir)
 
 
@@ -80,6 +84,8 @@ def test_second_process_loads_from_disk(warm_cache):
     assert second["misses"] == first["misses"]  # nothing in memory in a new process
     assert second["persistent_hits"] == first["misses"]
     assert second["compilations"] == 0  # XLA did not compile
+    assert second["warm_hits"] == second["warm_loads"] == first["warm_writes"]  # aot_autograd did not trace
+    assert second["warm_misses"] == 0
 
 
 def test_corrupt_entries_are_ignored_and_recompiled(tmp_path):
@@ -96,3 +102,5 @@ def test_corrupt_entries_are_ignored_and_recompiled(tmp_path):
     assert stats["persistent_hits"] == 0
     assert stats["persistent_errors"] >= 1
     assert any("unreadable persistent compilation cache entry" in w for w in stats["warnings"]), stats["warnings"]
+    assert stats["warm_errors"] >= 1 and stats["warm_hits"] == 0  # the AOTAutograd cache's entry too
+    assert any("unreadable entry of the AOTAutograd cache" in w for w in stats["warnings"]), stats["warnings"]

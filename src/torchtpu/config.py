@@ -38,6 +38,16 @@ def _count(raw: str) -> int:
     return value
 
 
+def _warm_start(raw: str) -> str:
+    value = raw.strip().lower()
+    if value == "dynamo":
+        return value
+    try:
+        return "aot" if value == "aot" or _bool(value) else "off"
+    except ValueError:
+        raise ValueError(f"expected aot (or 1), dynamo or off (or 0), got {raw!r}") from None
+
+
 def _seconds(raw: str) -> int:
     value = _count(raw)
     if value == 0:
@@ -70,6 +80,11 @@ SETTINGS = [
             "run ops without a lowering on the CPU (with a warning) instead of raising"),
     Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
             "directory of the persistent compilation cache"),
+    Setting("warm_start", "TORCHTPU_WARM_START", _warm_start, lambda: "aot",
+            "what a new process reuses of torch.compile's work: `aot` (aot_autograd's graphs, PyTorch's AOTAutograd "
+            "cache), `dynamo` (also dynamo's, PyTorch's experimental Dynamo cache, saved at exit) or `off`"),
+    Setting("warm_cache_size", "TORCHTPU_WARM_CACHE_SIZE", _count, lambda: 512,
+            "entries kept in PyTorch's AOTAutograd cache directory, least recently written deleted first (0: no limit)"),
     Setting("dump_dir", "TORCHTPU_DUMP_DIR", str, lambda: "",
             "if set, write the StableHLO of every compiled graph here"),
     Setting("kernel_cache_size", "TORCHTPU_KERNEL_CACHE_SIZE", _count, lambda: 1024,

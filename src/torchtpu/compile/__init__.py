@@ -64,6 +64,12 @@ def _register_with_dynamo() -> None:
     if "tpu" not in _COMPILER_FNS:
         register_backend(backend, name="tpu")
     routing.set_default()
+    from torchtpu.config import config
+
+    if config.warm_start == "dynamo":  # before any torch.compile: it decides whether to use the Dynamo cache
+        from torchtpu.compile import warm
+
+        warm.install()
 
 
 def install() -> None:

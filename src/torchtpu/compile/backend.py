@@ -15,10 +15,11 @@ from typing import Any, Callable
 
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
-from torchtpu.compile import collectives, graph as graph_lowering
+from torchtpu.compile import collectives, graph as graph_lowering, warm
 from torchtpu.compile.cache import compiler_options
 from torchtpu.compile.executable import CompiledGraph, PiecewiseGraph
 from torchtpu.ops import registry
@@ -50,10 +51,17 @@ def decompositions() -> dict:
     return _decompositions(len(registry.load_all()))
 
 
-def _compiler(kind: str, options: dict[str, Any]) -> Callable:
+def build_graph(gm: GraphModule, kind: str, options: dict[str, Any]):
+    """One aot_autograd graph as a callable: one program, or one per piece of one collective group."""
+    several_groups = len(collectives.groups(gm)) > 1  # collectives of several groups: one program each
+    return (PiecewiseGraph if several_groups else CompiledGraph)(gm, kind, options)
+
+
+def _compiler(kind: str, options: dict[str, Any], cache_key: str | None) -> Callable:
     def compile_graph(gm: GraphModule, example_inputs) -> Callable:
-        several_groups = len(collectives.groups(gm)) > 1  # collectives of several groups: one program each
-        graph = (PiecewiseGraph if several_groups else CompiledGraph)(gm, kind, options)
+        graph = build_graph(gm, kind, options)
+        if cache_key is not None:  # AOTAutogradCache stores it (warm.py)
+            return warm.GraphCode(gm=gm, kind=kind, options=options, key=cache_key, graph=graph)
 
         def run(args: list) -> list:
             return graph(args)
@@ -62,6 +70,8 @@ def _compiler(kind: str, options: dict[str, Any]) -> Callable:
         run.graph = graph
         return run
 
+    if cache_key is not None:
+        return SerializableAOTDispatchCompiler(warm.GraphCode, compile_graph)
     return compile_graph
 
 
@@ -71,12 +81,18 @@ def backend(gm: GraphModule, example_inputs, *, options: dict[str, Any] | None =
     if mode not in _MODES:
         raise ValueError(f"torch.compile mode {mode!r} is not known; the tpu backend accepts {_MODES[1:]}")
     xla_options = compiler_options(options)
+    table = decompositions()
+    cache_key = warm.key(xla_options, table) if warm.enabled() else None
     aot = aot_autograd(
-        fw_compiler=_compiler("forward", xla_options),
-        bw_compiler=_compiler("backward", xla_options),
-        inference_compiler=_compiler("inference", xla_options),
+        fw_compiler=_compiler("forward", xla_options, cache_key),
+        bw_compiler=_compiler("backward", xla_options, cache_key),
+        inference_compiler=_compiler("inference", xla_options, cache_key),
         partition_fn=min_cut_rematerialization_partition,
-        decompositions=decompositions(),
+        decompositions=table,
         keep_inference_input_mutations=True,
     )
-    return aot(gm, example_inputs)
+    if cache_key is None:
+        return aot(gm, example_inputs)
+    setattr(gm, warm.KEY_ATTR, cache_key)  # our part of AOTAutogradCache's key
+    with warm.caching():
+        return aot(gm, example_inputs)

@@ -57,7 +57,9 @@ _lock = threading.Lock()
 _local = threading.local()
 _stats = {"requests": 0, "hits": 0, "misses": 0, "compilations": 0, "compile_seconds": 0.0, "trace_seconds": 0.0,
           "persistent_hits": 0, "persistent_writes": 0, "persistent_errors": 0,
-          "donated_buffers": 0}
+          "donated_buffers": 0,
+          "warm_hits": 0, "warm_misses": 0, "warm_bypasses": 0, "warm_writes": 0, "warm_loads": 0,
+          "warm_errors": 0}
 _options: dict[str, Any] = {}
 _graphs: "weakref.WeakSet" = weakref.WeakSet()  # every live compiled graph (each has .executables)
 _installed = False
@@ -76,6 +78,11 @@ def cache_stats() -> dict[str, float]:
     ``compilations`` (XLA compiled it). ``compile_seconds`` is the time spent in both;
     ``trace_seconds`` the time spent turning graphs into XLA programs before that.
     ``donated_buffers`` counts mutated inputs whose buffers XLA reused for their new values.
+    ``warm_*`` count the graphs looked up in PyTorch's AOTAutograd cache (``warm.py``): found
+    (``warm_hits``: aot_autograd did not trace them), not found (``warm_misses``), not cacheable
+    (``warm_bypasses``), stored (``warm_writes``); ``warm_loads`` counts graphs rebuilt from an entry
+    (of the AOTAutograd cache or, with ``TORCHTPU_WARM_START=dynamo``, of PyTorch's Dynamo cache)
+    and ``warm_errors`` entries that could not be used (a warning says why; the graph is traced).
     """
     with _lock:
         return dict(_stats)

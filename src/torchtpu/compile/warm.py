@@ -1,0 +1,241 @@
+"""Warm start: a new process skips aot_autograd's tracing, through PyTorch's own AOTAutograd cache.
+
+PyTorch's AOTAutogradCache stores what aot_autograd made of a dynamo graph (the forward and
+backward graphs after decomposition and partitioning, and the metadata its runtime wrappers need:
+input mutations, output aliases, which activations the backward reads) and, on a hit, rebuilds
+the wrappers around the stored graphs without tracing anything. It stores a backend's work only
+when the backend's compilers return ``OutputCode`` objects it can pickle: ``GraphCode`` is ours,
+a compiled graph that pickles as its aten graph and is rebuilt in the process that loads it
+(lowered to JAX on its first call, its XLA executable loaded from JAX's persistent cache).
+
+The key is PyTorch's (the dynamo graph, its inputs' shapes, dtypes, strides and symbolic sizes
+with their guards, the torch version, grad mode, autocast and the functorch settings) plus ours
+(``key()``: torchtpu's and JAX's versions, the source of the modules that decide what is stored,
+the decomposition table, the XLA options and the platform), which the backend hands over as an
+attribute of the dynamo graph (PyTorch hashes the graph module's ``__dict__``).
+
+Entries live in PyTorch's cache directory (``TORCHINDUCTOR_CACHE_DIR``, default
+``/tmp/torchinductor_$USER``), under ``aotautograd/``; after each write the least recently
+written entries beyond ``TORCHTPU_WARM_CACHE_SIZE`` are deleted. An unreadable entry, or one that
+cannot be rebuilt, is skipped with a warning and the graph is traced again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._inductor.output_code import OutputCode
+from torch.fx import GraphModule
+
+from torchtpu import metrics
+from torchtpu.compile import cache
+from torchtpu.config import config
+
+# The dynamo graph attribute that carries our part of the key: AOTAutogradCache hashes the graph
+# module's ``__dict__`` (``AOTAutogradCachePickler._reduce_graph_module_for_cache_key``).
+KEY_ATTR = "_torchtpu_warm_key"
+_FORMAT = 1  # bump when what an entry holds changes meaning
+# PyTorch's counters (torch._dynamo.utils.counters["aot_autograd"]) -> ours (cache_stats()).
+_COUNTERS = {"autograd_cache_hit": "warm_hits", "autograd_cache_miss": "warm_misses",
+             "autograd_cache_bypass": "warm_bypasses", "autograd_cache_saved": "warm_writes"}
+# PyTorch skips an entry it cannot unpickle with this warning, on this logger (GuardedCache).
+_UNREADABLE = "unable to load compiled graph"
+_CODECACHE_LOGGER = "torch._inductor.codecache"
+
+
+@dataclasses.dataclass
+class GraphCode(OutputCode):
+    """A compiled graph that AOTAutogradCache can store: pickled as its aten graph, rebuilt on load."""
+
+    gm: GraphModule | None = None
+    kind: str = "inference"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    key: str = ""  # key(): checked on load, as PyTorch's Dynamo cache stores entries without it
+    graph: Callable | None = dataclasses.field(default=None, repr=False)  # CompiledGraph / PiecewiseGraph
+    pickled_gm: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # aot_autograd passes one list we may free. An instance attribute: its wrappers copy the
+        # instance's __dict__ (functools.update_wrapper), not the class's.
+        self._boxed_call = True
+
+    def __call__(self, args: list) -> list:
+        return self.graph(args)
+
+    def prepare_for_serialization(self) -> None:
+        # Called on a copy (BundledOutputCodeLoadable.pre_save): the live graph keeps running.
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        from torchtpu.compile import collectives
+
+        if collectives.groups(self.gm):  # their process groups belong to this process: not stored
+            raise BypassAOTAutogradCache("tpu: a graph with collectives is not stored across processes")
+        if self.gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
+            # aot_autograd's wrapper of a loaded entry passes no effect token (measured: linalg.inv)
+            raise BypassAOTAutogradCache("tpu: a graph with effect tokens is not stored")
+        self.pickled_gm = GraphPickler.dumps(self.gm, Options(ops_filter=None))
+        self.gm = self.graph = None
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self.graph is not None:
+            return
+        try:
+            from torchtpu.compile.backend import decompositions
+
+            if self.key != key(self.options, decompositions()):
+                raise RuntimeError("it was made by another torchtpu, JAX, platform or decomposition table")
+            self.graph = _rebuild(self.pickled_gm, self.kind, self.options)
+            cache.count("warm_loads")
+        except Exception as exc:  # PyTorch then traces the graph again (a RuntimeError for the Dynamo cache)
+            cache.count("warm_errors")
+            warnings.warn(f"tpu: could not reuse a compiled graph from PyTorch's compile caches "
+                          f"({type(exc).__name__}: {exc}); tracing it again", RuntimeWarning, stacklevel=2)
+            raise RuntimeError(f"tpu: unusable cache entry: {exc}") from exc
+        self.pickled_gm = None
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+
+def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torchtpu.compile.backend import build_graph
+
+    gm = GraphPickler.loads(pickled_gm, FakeTensorMode(shape_env=ShapeEnv()))
+    return build_graph(gm, kind, options)
+
+
+def enabled() -> bool:
+    """Whether compiled graphs go through PyTorch's AOTAutograd cache (``TORCHTPU_WARM_START``)."""
+    return config.warm_start != "off" and not torch.compiler.config.force_disable_caches
+
+
+def install() -> None:
+    """``TORCHTPU_WARM_START=dynamo``: turn on PyTorch's Dynamo cache, saved when the process exits.
+
+    Called when dynamo is imported, before any ``torch.compile``. PyTorch's own switch
+    (``TORCH_CACHING_PRECOMPILE``) wins where it is set. PyTorch writes its Dynamo cache only
+    from ``torch.compiler.save_cache_artifacts()``: we call it at exit.
+    """
+    if config.warm_start != "dynamo" or torch.compiler.config.force_disable_caches:
+        return
+    if os.environ.get("TORCH_CACHING_PRECOMPILE", "1") != "1":
+        return
+    torch._dynamo.config.caching_precompile = True
+    atexit.register(_save_dynamo_cache)
+
+
+def _save_dynamo_cache() -> None:
+    try:
+        torch.compiler.save_cache_artifacts()
+    except Exception as exc:  # noqa: BLE001 - at exit, a cache that cannot be written is only reported
+        warnings.warn(f"tpu: could not write PyTorch's Dynamo cache ({type(exc).__name__}: {exc})", RuntimeWarning)
+
+
+def key(options: dict[str, Any], decompositions: dict) -> str:
+    """Our part of the cache key: everything of torchtpu's that shapes a stored graph."""
+    import jax
+
+    from torchtpu import __version__
+    from torchtpu.runtime import platform
+
+    parts = (_FORMAT, __version__, _sources_digest(), jax.__version__, platform.platform(),
+             _names_digest(tuple(sorted(map(str, decompositions)))), repr(sorted(options.items())))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _sources_digest() -> str:
+    # The modules that decide what aot_autograd is asked for and what an entry holds.
+    here = os.path.dirname(__file__)
+    digest = hashlib.sha256()
+    for name in ("backend.py", "warm.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _names_digest(names: tuple[str, ...]) -> str:
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()
+
+
+def cache_dir() -> str:
+    """The directory of PyTorch's AOTAutograd cache, where the warm-start entries live."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    return AOTAutogradCache._get_tmp_dir()
+
+
+@contextlib.contextmanager
+def caching() -> Iterator[None]:
+    """Around one aot_autograd call: store entries whole (our ``GraphCode``s, not keys into
+    Inductor's FX graph cache), count hits and misses, warn of unreadable entries, keep the bound."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["aot_autograd"])
+    unreadable = _Unreadable()
+    logger = logging.getLogger(_CODECACHE_LOGGER)
+    logger.addHandler(unreadable)
+    try:
+        # The backward graph is made now, not at the first backward(): the entry is written
+        # once both exist, and only while this call's settings hold.
+        with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True):
+            yield
+    finally:
+        logger.removeHandler(unreadable)
+    after = counters["aot_autograd"]
+    deltas = {ours: after.get(theirs, 0) - before.get(theirs, 0) for theirs, ours in _COUNTERS.items()}
+    for name, delta in deltas.items():
+        if delta:
+            cache.count(name, delta)
+    if deltas["warm_writes"]:
+        prune(config.warm_cache_size)
+
+
+class _Unreadable(logging.Handler):
+    """Turns PyTorch's log line about an entry it could not unpickle into a warning of ours."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _UNREADABLE in record.getMessage():
+            cache.count("warm_errors")
+            detail = f" ({record.exc_info[1]!r})" if record.exc_info else ""
+            warnings.warn(f"tpu: skipped an unreadable entry of the AOTAutograd cache in {cache_dir()}{detail} "
+                          f"and traced the graph again; delete the directory if this repeats", RuntimeWarning,
+                          stacklevel=2)
+
+
+def prune(limit: int) -> int:
+    """Delete the least recently written entries beyond ``limit`` (0: no limit); returns how many."""
+    root = cache_dir()
+    if limit <= 0 or not os.path.isdir(root):
+        return 0
+    entries = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        with contextlib.suppress(OSError):
+            entries.append((os.path.getmtime(path), path))
+    entries.sort()
+    stale = entries[:max(len(entries) - limit, 0)]
+    for _, path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        metrics.count_eviction("warm_start", len(stale))
+    return len(stale)
