@@ -121,7 +121,8 @@ def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
 
 def enabled() -> bool:
     """Whether compiled graphs go through PyTorch's AOTAutograd cache (``TORCHTPU_WARM_START``)."""
-    return config.warm_start != "off" and not torch.compiler.config.force_disable_caches
+    # An empty TORCHTPU_CACHE_DIR means no compilation caches on disk: this one too.
+    return config.warm_start != "off" and bool(config.cache_dir) and not torch.compiler.config.force_disable_caches
 
 
 def install() -> None:
@@ -131,7 +132,7 @@ def install() -> None:
     (``TORCH_CACHING_PRECOMPILE``) wins where it is set. PyTorch writes its Dynamo cache only
     from ``torch.compiler.save_cache_artifacts()``: we call it at exit.
     """
-    if config.warm_start != "dynamo" or torch.compiler.config.force_disable_caches:
+    if config.warm_start != "dynamo" or not enabled():
         return
     if os.environ.get("TORCH_CACHING_PRECOMPILE", "1") != "1":
         return
