@@ -73,7 +73,7 @@ class TPUGraph:
         """Write the captured program's StableHLO text to ``path``."""
         program = self._require()
         with open(path, "w") as f:
-            f.write(program.program.lower(*program.arguments()).as_text())
+            f.write(program.shared.lower(*program.arguments()[0]).as_text())
 
     @property
     def num_ops(self) -> int:

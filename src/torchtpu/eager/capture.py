@@ -25,6 +25,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+from jax._src.array import ArrayImpl
 import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -166,7 +167,11 @@ class CaptureExecutor(fused.FusedExecutor):
                     "existed before the capture; a replay would not copy it again. Copy new data "
                     "into the static inputs before replay(), outside the captured region.")
         self.restore()
-        return CapturedProgram(self, outputs)
+        program = CapturedProgram(self, outputs)
+        # the arrays the storages held before the capture: a leftover value of the region (none
+        # should outlive it) must not keep them alive
+        graph.inputs, graph.holders, graph.input_ids = [], [], {}
+        return program
 
     def restore(self) -> None:
         """Give storages that existed their arrays back (nothing ran); storages the region made
@@ -235,45 +240,63 @@ class CapturedProgram:
         # call); arrays are arguments: storages' (read at each replay), the rest fixed
         self.dynamic = [p for p, v in enumerate(graph.inputs)
                         if p in used and (p in executor.sources or not _is_number(v))]
-        self.fixed = [graph.inputs[p] for p in self.dynamic]
-        self.plan = []  # (argument slot, source)
+        written = {id(ref()) for ref in self.outputs}
+        self.fixed = []  # the arguments that stay (arrays made in the region from host values)
+        self.plan = []  # storages read: (argument slot, storage id, weakref, shape, dtype, donate)
+        self.draws = []  # random streams' values: (argument slot, stream key, part)
         for slot, p in enumerate(self.dynamic):
             source = executor.sources.get(p)
-            if source is not None:
-                self.plan.append((slot, source, graph.inputs[p]))
-        self.storages = {key: ref for key, (ref, before, _) in executor.storages.items() if before is not None}
+            self.fixed.append(None if source is not None else graph.inputs[p])
+            if source is None:
+                continue
+            if source[0] == "rng":
+                self.draws.append((slot, source[1], source[2]))
+                continue
+            ref, before, _ = executor.storages[source[1]]
+            # a storage the program reads and then overwrites: XLA may update its buffer in place
+            self.plan.append((slot, source[1], ref, before.shape, before.dtype, source[1] in written))
         # Static outputs of another capture that this one reads (a graphed forward's activations,
         # read by its backward) live as long as this program, as a CUDA graph's pool memory does.
         self.held = executor.held
-        self.keys = {key: (tuple(before.shape), before.dtype)
-                     for key, (_, before, _) in executor.storages.items() if before is not None}
         self.streams = {key: stream[3] for key, stream in executor.streams.items()}
         self.optimizers = [(weakref.ref(opt), settings, _param_storages(opt)) for opt, settings in executor.optimizers]
-        self.program = jax.jit(_program([(n, graph.nodes[n]) for n in nodes], refs, self.dynamic, graph.inputs))
+        body = _program([(n, graph.nodes[n]) for n in nodes], refs, self.dynamic, graph.inputs)
+        self.program = jax.jit(body, donate_argnums=tuple(entry[0] for entry in self.plan if entry[5]))
+        self.shared = jax.jit(body)  # for a replay where a buffer to donate is also held elsewhere
         self.compiled = False
 
-    def arguments(self) -> list:
+    def arguments(self) -> tuple[list, bool]:
+        """The program's arguments now, and whether the buffers to donate are held by nothing else
+        (their storage alone: a tensor the user keeps from an earlier replay holds its own)."""
         args = list(self.fixed)
         bases = {}
         for key, draws in self.streams.items():
             index, generator = key
             bases[key] = rng.split(*rng.reserve(index, generator, draws))
-        for slot, source, _ in self.plan:
-            if source[0] == "storage":
-                args[slot] = self._storage_array(source[1])
-            else:
-                args[slot] = bases[source[1]][source[2]]
-        return args
+        for slot, key, part in self.draws:
+            args[slot] = bases[key][part]
+        sole, seen = True, set()
+        for slot, key, ref, shape, dtype, donate in self.plan:
+            array = getattr(ref(), bridge.ATTR, None)
+            if array.__class__ is not ArrayImpl or array.shape != shape or array.dtype != dtype:
+                array = self._storage_array(ref, shape, dtype)
+            if donate:
+                # the storage's attribute, this local and getrefcount's argument
+                sole = sole and sys.getrefcount(array) <= 3 and id(array) not in seen
+                seen.add(id(array))
+            args[slot] = array
+        return args, sole
 
-    def _storage_array(self, key: int):
-        storage = self.storages[key]()
+    @staticmethod
+    def _storage_array(ref, shape, dtype):
+        """A storage's array when it is not simply there: pending, read in another shape, freed."""
+        storage = ref()
         if storage is None:
             raise RuntimeError("tpu graph replay: a tensor the captured region reads has been freed; keep "
                                "the static inputs, parameters and optimizer state alive, or capture again")
         array = getattr(storage, bridge.ATTR, None)
         if isinstance(array, bridge.Lazy):
             array = array.materialize()
-        shape, dtype = self.keys[key]
         if array is not None and array.shape != shape and array.size == _size(shape) and array.dtype == dtype:
             array = storage._jax = _reshape(shape)(array)  # the same bytes, read in another shape since
         if array is None or array.shape != shape or array.dtype != dtype:
@@ -300,10 +323,10 @@ class CapturedProgram:
     def replay(self) -> None:
         """Run the program on the inputs' current arrays; write its outputs into their storages."""
         modes.flush("graph_replay")
-        args = self.arguments()
+        args, sole = self.arguments()
         start = time.perf_counter()
         try:
-            results = self.program(*args)
+            results = (self.program if sole else self.shared)(*args)
         except jax.errors.JaxRuntimeError as exc:
             raise errors.device_error(exc, None, f"a captured graph of {self.ops} ops") from exc
         if not self.compiled:
@@ -338,7 +361,7 @@ def _is_number(value) -> bool:
 
 def _program(nodes: list, outputs: list, dynamic: list, inputs: list):
     slot_of = {p: slot for slot, p in enumerate(dynamic)}
-    constants = {p: v for p, v in enumerate(inputs) if p not in slot_of}
+    constants = {p: v for p, v in enumerate(inputs) if p not in slot_of and _is_number(v)}
 
     def program(*args):
         def value(ref, env):
