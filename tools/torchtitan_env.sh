@@ -18,8 +18,10 @@ TORCH_BEFORE=$("$PYTHON" -c "import torch; print(torch.__version__)")
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$VENV"
 VPY=$VENV/bin/python
 
-"$VPY" -m pip install -q "torchtitan==0.3.*"
-"$VPY" -m pip install -q --no-deps -e "$REPO"
+# (this machine's pip config names local indexes that may not exist: drop pip's notes about them)
+quiet() { "$@" 2> >(grep -v "^WARNING: Location .* is ignored" >&2); }
+quiet "$VPY" -m pip install -q "torchtitan==0.3.*"
+quiet "$VPY" -m pip install -q --no-deps -e "$REPO"
 
 TORCH_AFTER=$("$VPY" -c "import torch; print(torch.__version__)")
 if [[ $TORCH_AFTER != "$TORCH_BEFORE" ]]; then
