@@ -240,3 +240,12 @@ def test_graphed_function_gradients_match_autograd():
     (wc := w.detach().cpu().requires_grad_())
     expected = torch.tanh(x @ wc).sum(dim=1)
     torch.testing.assert_close(_cpu(out), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_function_in_a_captured_region_is_refused():
+    fn = torch.compile(lambda t: t * 2 + 1, backend="tpu")
+    x = torch.randn(4, device="tpu")
+    fn(x)
+    with pytest.raises(CaptureError, match="torch.compile"):
+        with torch.tpu.graph(torch.tpu.TPUGraph()):
+            fn(x)

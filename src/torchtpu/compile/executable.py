@@ -32,7 +32,7 @@ from torchtpu.distributed import programs
 from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
-from torchtpu.eager import transfer
+from torchtpu.eager import capture, transfer
 from torchtpu.ops import precision
 from torchtpu.runtime.dtypes import to_jax_dtype
 from torchtpu.runtime import placement, rng, state
@@ -169,6 +169,12 @@ class CompiledGraph:
         cache.track(self)
 
     def __call__(self, args: list) -> list:
+        if bridge.capturing and capture.capturing() is not None:
+            # its executable reads storages directly and would run now, once, at capture time
+            raise capture.CaptureError(
+                f"tpu graph capture: compiled graph {self.name} (a torch.compile'd function) was called "
+                f"in the captured region; a capture records eager ops only. Capture the eager function, "
+                f"or call the compiled one outside the region.")
         arrays, signature, statics, donate, index = self._read(args)
         key_args = tuple(rng.next_key_args(index)) if self.fn.random_ops else ()
         setting = precision.setting() if self.fn.dots else None  # part of the executable's key
