@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
+from jax._src.array import ArrayImpl
 from torch.utils import _pytree as pytree
 
 from torchtpu import metrics
@@ -215,10 +216,17 @@ class CompiledStep:
                 entry.program = None
         if entry.program is None:
             self._capture(entry, args)
-        for static, new in zip(entry.inputs, _tensors(args)):
-            if static is not new:
+        feeds = []
+        for static, new, slot in zip(entry.inputs, _tensors(args), entry.slots):
+            if static is new:
+                continue
+            array = getattr(new.untyped_storage(), bridge.ATTR, None) if slot is not None else None
+            if array.__class__ is ArrayImpl and array.shape == slot[1] and array.dtype == slot[2] \
+                    and bridge.holds_whole_storage(new, array) and not (new.is_conj() or new.is_neg()):
+                feeds.append((slot[0], array))  # read in place of the static input: no copy
+            else:
                 static.copy_(new)
-        entry.program.replay()
+        entry.program.replay(feeds)
         metrics.count_compile(f"compile_step:{self.name}", cache_hit=True)
         return pytree.tree_map(_fresh, entry.output)
 
@@ -230,6 +238,7 @@ class CompiledStep:
             output = self.fn(*statics)
         entry.program, entry.output = g._program, output
         entry.inputs = _tensors(statics)
+        entry.slots = [entry.program.feed_slot(t.untyped_storage()) for t in entry.inputs]
         entry.graph = g
 
     def _recaptured(self, reason: str) -> None:
@@ -243,12 +252,13 @@ class CompiledStep:
 
 
 class _Entry:
-    __slots__ = ("calls", "program", "output", "inputs", "graph")
+    __slots__ = ("calls", "program", "output", "inputs", "slots", "graph")
 
     def __init__(self):
         self.calls = 0
         self.program = self.output = self.graph = None
         self.inputs: list = []
+        self.slots: list = []  # per static input: where the program reads it (feed_slot), or None
 
 
 def compile_step(step_fn: Callable | None = None, *, warmup: int = 1):

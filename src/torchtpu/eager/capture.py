@@ -265,9 +265,10 @@ class CapturedProgram:
         self.shared = jax.jit(body)  # for a replay where a buffer to donate is also held elsewhere
         self.compiled = False
 
-    def arguments(self) -> tuple[list, bool]:
-        """The program's arguments now, and whether the buffers to donate are held by nothing else
-        (their storage alone: a tensor the user keeps from an earlier replay holds its own)."""
+    def arguments(self) -> tuple[list, bool, set]:
+        """The program's arguments now, whether the buffers to donate are held by nothing else
+        (their storage alone: a tensor the user keeps from an earlier replay holds its own), and
+        their ids."""
         args = list(self.fixed)
         bases = {}
         for key, draws in self.streams.items():
@@ -285,7 +286,7 @@ class CapturedProgram:
                 sole = sole and sys.getrefcount(array) <= 3 and id(array) not in seen
                 seen.add(id(array))
             args[slot] = array
-        return args, sole
+        return args, sole, seen
 
     @staticmethod
     def _storage_array(ref, shape, dtype):
@@ -320,10 +321,23 @@ class CapturedProgram:
                 return f"{name}'s parameters are other tensors than at the capture (replaced, or .data reassigned)"
         return None
 
-    def replay(self) -> None:
-        """Run the program on the inputs' current arrays; write its outputs into their storages."""
+    def feed_slot(self, storage) -> tuple | None:
+        """(argument slot, shape, dtype) where the program reads ``storage`` without overwriting
+        it: a caller may pass another array of that shape there (``replay(feeds)``) rather than
+        copy it into the storage first; None if the program does not only read it."""
+        for slot, key, ref, shape, dtype, donate in self.plan:
+            if ref() is storage and not donate:
+                return slot, shape, dtype
+        return None
+
+    def replay(self, feeds=()) -> None:
+        """Run the program on the inputs' current arrays (and ``feeds``: (slot, array) pairs from
+        ``feed_slot``); write its outputs into their storages."""
         modes.flush("graph_replay")
-        args, sole = self.arguments()
+        args, sole, donated = self.arguments()
+        for slot, array in feeds:
+            args[slot] = array
+            sole = sole and id(array) not in donated  # (a buffer given twice cannot be donated)
         start = time.perf_counter()
         try:
             results = (self.program if sole else self.shared)(*args)
