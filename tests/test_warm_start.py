@@ -79,6 +79,20 @@ def test_training_graph_reuses_forward_and_backward(aot_cache):
         torch.testing.assert_close(wt.grad.cpu(), expected.grad)
 
 
+def test_dynamic_shapes_entry_serves_other_sizes(aot_cache):
+    def scaled(x, w):
+        return torch.nn.functional.gelu(x @ w) * x.shape[0]
+
+    w = torch.randn(8, 3)
+    for n, hits in ((4, 0), (6, 1)):
+        torch._dynamo.reset()
+        x = torch.randn(n, 8)
+        before = compiler.cache_stats()
+        out = torch.compile(scaled, backend="tpu", dynamic=True)(x.to("tpu"), w.to("tpu"))
+        assert _delta(before)["warm_hits"] == hits
+        torch.testing.assert_close(out.cpu(), scaled(x, w))
+
+
 def test_unreadable_entry_warns_and_traces_again(aot_cache):
     x, w = torch.randn(4, 8), torch.randn(8, 3)
     _compiled(mlp, x.to("tpu"), w.to("tpu"))
