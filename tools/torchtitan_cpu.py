@@ -1,6 +1,7 @@
 """Run TorchTitan's own trainer on the host CPU: the reference a ``tpu`` run is compared with.
 
-    TORCH_DEVICE_BACKEND_AUTOLOAD=0 torchrun --nproc_per_node 1 tools/torchtitan_cpu.py \\
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 python -m torch.distributed.run --standalone --nproc_per_node 1 \\
+        tools/torchtitan_cpu.py \\
         --module llama3 --config llama3_debugmodel ...        (TorchTitan's own arguments)
 
 TorchTitan 0.3 has no CPU setting: without an accelerator its device probe falls back to
