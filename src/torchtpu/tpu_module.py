@@ -105,38 +105,55 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 # ---------------------------------------------------------------- random numbers
 
+# Host-side generator state, not aten ops: an AOT graph would drop a call traced into one, and
+# dynamo tracing one under freeze_rng_state's no_dispatch (OpInfo's wrapper_set_seed) failed to
+# fake the state tensor. Dynamo graph-breaks on torch.cuda's (trace_rules) and on
+# torch.manual_seed (torch._disable_dynamo); ours take the latter: they run eagerly, in order.
+# Its cost: the first call imports torch._dynamo (2 s) if nothing has yet, as torch.manual_seed's does.
+_host_side = torch._disable_dynamo
+
+
+@_host_side
 def manual_seed(seed: int) -> None:
     rng.manual_seed(seed, state.current_device())
 
 
+@_host_side
 def manual_seed_all(seed: int) -> None:
     rng.manual_seed_all(seed)
 
 
+@_host_side
 def seed() -> int:
     return rng.seed(state.current_device())
 
 
+@_host_side
 def seed_all() -> None:
     rng.manual_seed_all(rng.seed(0))
 
 
+@_host_side
 def initial_seed() -> int:
     return rng.initial_seed(state.current_device())
 
 
+@_host_side
 def get_rng_state(device: Any = "tpu") -> torch.Tensor:
     return rng.get_state(state.device_index(device))
 
 
+@_host_side
 def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
     rng.set_state(new_state, state.device_index(device))
 
 
+@_host_side
 def get_rng_state_all() -> list[torch.Tensor]:
     return [rng.get_state(i) for i in range(state.device_count())]
 
 
+@_host_side
 def set_rng_state_all(states) -> None:
     for i, s in enumerate(states):
         rng.set_state(s, i)
