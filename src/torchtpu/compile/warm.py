@@ -84,6 +84,9 @@ class GraphCode(OutputCode):
         if self.gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
             # aot_autograd's wrapper of a loaded entry passes no effect token (measured: linalg.inv)
             raise BypassAOTAutogradCache("tpu: a graph with effect tokens is not stored")
+        if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in _constants(self.gm)):
+            # GraphPickler copies constants to the CPU under a FakeTensorMode, which a tpu tensor fails
+            raise BypassAOTAutogradCache("tpu: a graph with tpu tensor constants is not stored")
         self.pickled_gm = GraphPickler.dumps(self.gm, Options(ops_filter=None))
         self.gm = self.graph = None
 
@@ -106,6 +109,11 @@ class GraphCode(OutputCode):
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
+
+
+def _constants(gm: GraphModule) -> Iterator[Any]:
+    for node in gm.graph.find_nodes(op="get_attr"):
+        yield getattr(gm, node.target, None)
 
 
 def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
