@@ -27,11 +27,11 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
-def check_sglang_version() -> str:
-    """The installed SGLang version; raise if it is outside the tested range."""
+def check_sglang_version(installed: str | None = None) -> str:
+    """The installed SGLang version (or ``installed``); raise if it is outside the tested range."""
     from importlib.metadata import version
 
-    installed = version("sglang")
+    installed = installed or version("sglang")
     low, high = TESTED_SGLANG
     if not low <= _release(installed) < high:
         raise RuntimeError(

@@ -1,0 +1,252 @@
+"""SGLang serving on ``tpu``: the platform plugin, the paged attention backend, ``sglang.Engine``
+and the OpenAI-compatible server queried with the ``openai`` client.
+
+Needs the sglang extra (``tools/sglang_env.sh`` builds a venv with it); skipped without it.
+The model is a tiny random Llama built by ``tools/make_tiny_llama.py``; every greedy output is
+compared with Hugging Face ``generate`` on CPU. The server runs in a subprocess on a free port,
+in its own process group, killed at the end whatever happens. About 3 minutes on 2 cores,
+most of it the engine's and the server's start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("SGLANG_PLATFORM", "tpu")  # before sglang resolves its platform
+REASON = "the sglang extra is not installed (tools/sglang_env.sh, or pip install 'torchtpu[sglang]')"
+sgl = pytest.importorskip("sglang", reason=REASON)
+openai = pytest.importorskip("openai", reason=REASON)
+transformers = pytest.importorskip("transformers", reason=REASON)
+
+from torchtpu.integrations.sglang import check_sglang_version  # noqa: E402
+from torchtpu.integrations.sglang.attention import paged_attention, plan_batch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "The clockmaker said",
+    "In the village of Lower Fenwick there lived",
+    # longer than the engine's chunked-prefill size below: prefilled in chunks
+    "Aldous was not a young man. His hands had grown slow, but they had not grown careless. "
+    "He said that a clock was a patient thing, and that a",
+]
+MAX_NEW = 12
+CHUNK = 32
+SERVER_START_S = 300
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", REPO / "tools" / "make_tiny_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(load_builder()(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """The checkpoint in Hugging Face on CPU, float32: the reference."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int = MAX_NEW) -> list[int]:
+    _, model = hf
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+# ---------------------------------------------------------------- the pieces, without a server
+
+def reference_attention(q, k_pool, v_pool, rows, q_lens, seq_lens, scale):
+    """Per-request causal SDPA on CPU, queries being the last q_len tokens of each request."""
+    outs, start = [], 0
+    for row, q_len, seq_len in zip(rows, q_lens, seq_lens):
+        query = q[start:start + q_len].transpose(0, 1)  # [heads, q, dim]
+        key = k_pool[row[:seq_len]].transpose(0, 1)
+        value = v_pool[row[:seq_len]].transpose(0, 1)
+        pos_q = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = torch.arange(seq_len)[None, :] <= pos_q
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out.transpose(0, 1).reshape(q_len, -1))
+        start += q_len
+    return torch.cat(outs)
+
+
+def test_paged_attention_matches_per_request_sdpa():
+    """Prefill, a prefix-cache hit (prefill after a cached prefix), a chunk and decodes in one batch."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, slots = 4, 2, 16, 200
+    q_lens, seq_lens = [7, 5, 1, 1, 9], [7, 20, 33, 1, 40]
+    k_pool, v_pool = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
+    rows = torch.stack([torch.randperm(slots - 1)[:64] + 1 for _ in q_lens])  # paged: slots scattered
+    q = torch.randn(sum(q_lens), heads, dim)
+    want = reference_attention(q, k_pool, v_pool, rows, q_lens, seq_lens, 0.25)
+    plan = plan_batch(q_lens, seq_lens, rows.to("tpu"), rows.shape[1], torch.device("tpu"))
+    got = paged_attention(q.to("tpu"), k_pool.to("tpu"), v_pool.to("tpu"), plan, 0.25)
+    assert plan.shape == (8, 16, 64)  # padded to buckets
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_version_outside_tested_range_is_refused():
+    assert check_sglang_version() == sgl.__version__
+    with pytest.raises(RuntimeError, match=r"supports sglang>=0.5.23,<0.5.24, but sglang 0.6.0 is installed"):
+        check_sglang_version("0.6.0")
+
+
+def test_platform_is_tpu_with_real_memory_figures():
+    from sglang.srt.platforms import current_platform
+
+    from torchtpu.integrations.sglang.platform import TpuSRTPlatform
+
+    assert isinstance(current_platform, TpuSRTPlatform)
+    assert current_platform.get_default_attention_backend() == "tpu"
+    free, total = current_platform.get_available_memory()
+    assert 0 < free <= total == torch.tpu.mem_get_info()[1]
+
+
+# ---------------------------------------------------------------- sglang.Engine
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    llm = sgl.Engine(model_path=model_dir, dtype="float32", max_total_tokens=4096,
+                     chunked_prefill_size=CHUNK, log_level="error")
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def test_engine_greedy_matches_hf(engine, hf):
+    tokenizer, _ = hf
+    outs = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": MAX_NEW})
+    assert len(tokenizer(PROMPTS[-1]).input_ids) > CHUNK
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_greedy(hf, tokenizer(prompt).input_ids), prompt
+
+
+def test_engine_prefix_cache_reuse(engine, hf):
+    """A second request sharing a long prefix reads it from the radix cache and still matches HF."""
+    tokenizer, _ = hf
+    prompt = PROMPTS[-1] + " clock that ran"
+    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": MAX_NEW})
+    assert out["meta_info"]["cached_tokens"] >= CHUNK
+    assert out["output_ids"] == hf_greedy(hf, tokenizer(prompt).input_ids)
+
+
+# ---------------------------------------------------------------- the OpenAI-compatible server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    pytest.fail(f"the server did not start within {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--port", str(port),
+           "--served-model-name", "tiny-llama", "--dtype", "float32", "--max-total-tokens", "4096"]
+    with open(log, "w") as out:
+        # its own session: the server's children (scheduler, detokenizer) go down with it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "SGLANG_PLATFORM": "tpu"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        yield openai.OpenAI(base_url=url + "/v1", api_key="-", timeout=120)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def complete(client, prompt, **kw):
+    return client.completions.create(model="tiny-llama", prompt=prompt, **kw)
+
+
+def test_server_completions_greedy_matches_hf(server, hf):
+    tokenizer, _ = hf
+    prompt = PROMPTS[1]
+    result = complete(server, prompt, max_tokens=MAX_NEW, temperature=0)
+    want = hf_greedy(hf, tokenizer(prompt).input_ids)
+    assert result.choices[0].text == tokenizer.decode(want)
+    assert result.usage.completion_tokens == MAX_NEW and result.choices[0].finish_reason == "length"
+
+
+def test_server_chat_completions_use_the_chat_template(server, hf):
+    tokenizer, _ = hf
+    messages = [{"role": "user", "content": "hi"}]
+    result = server.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=MAX_NEW, temperature=0)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = hf_greedy(hf, list(ids))
+    if tokenizer.eos_token_id in want:  # the server stops at EOS (and does not print it)
+        want = want[:want.index(tokenizer.eos_token_id)]
+    assert result.choices[0].message.content == tokenizer.decode(want)
+    assert result.usage.prompt_tokens == len(ids)
+
+
+def test_server_streaming_equals_non_streaming(server):
+    prompt = PROMPTS[0]
+    whole = complete(server, prompt, max_tokens=MAX_NEW, temperature=0).choices[0].text
+    chunks = [c.choices[0].text for c in complete(server, prompt, max_tokens=MAX_NEW, temperature=0, stream=True)]
+    assert len(chunks) > 1 and "".join(chunks) == whole
+
+
+def test_server_max_tokens_and_stop_strings(server):
+    prompt = PROMPTS[0]
+    short = complete(server, prompt, max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3
+    whole = complete(server, prompt, max_tokens=MAX_NEW, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:][:3]  # a string that greedy decoding reaches mid-way
+    stopped = complete(server, prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.matched_stop == stop
+    assert stopped.text == whole[:whole.index(stop)]
+
+
+def test_server_sampling_params(server):
+    prompt = PROMPTS[0]
+    greedy = complete(server, prompt, max_tokens=MAX_NEW, temperature=0).choices[0].text
+    # top_k=1 leaves one candidate: sampling at any temperature is greedy decoding
+    top1 = complete(server, prompt, max_tokens=MAX_NEW, temperature=1.5, extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy
+    sampled = complete(server, prompt, max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=7,
+                       extra_body={"top_k": 50})
+    assert sampled.usage.completion_tokens == MAX_NEW
+    texts = {complete(server, prompt, max_tokens=MAX_NEW, temperature=2.0).choices[0].text for _ in range(3)}
+    assert len(texts) > 1  # temperature is honoured: random weights give a flat distribution
