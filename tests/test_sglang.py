@@ -4,7 +4,7 @@ and the OpenAI-compatible server queried with the ``openai`` client.
 Needs the sglang extra (``tools/sglang_env.sh`` builds a venv with it); skipped without it.
 The model is a tiny random Llama built by ``tools/make_tiny_llama.py``; every greedy output is
 compared with Hugging Face ``generate`` on CPU. The server runs in a subprocess on a free port,
-in its own process group, killed at the end whatever happens. About 3 minutes on 2 cores,
+in its own process group, killed at the end whatever happens. 6.4 minutes on 2 busy cores,
 most of it the engine's and the server's start.
 """
 
