@@ -25,6 +25,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "current_stream": ("torchtpu.runtime.streams", "current_stream"),
     "default_stream": ("torchtpu.runtime.streams", "default_stream"),
     "stream": ("torchtpu.runtime.streams", "stream"),
+    "StreamContext": ("torchtpu.runtime.streams", "StreamContext"),
     "DeviceProperties": ("torchtpu.runtime.platform", "DeviceProperties"),
     "EagerMode": ("torchtpu.eager.modes", "EagerMode"),
     "set_eager_mode": ("torchtpu.eager.modes", "eager_mode"),
