@@ -1,0 +1,194 @@
+"""Paged attention for vLLM on ``tpu``, written with plain torch ops (they run through torchtpu's op registry).
+
+Each layer's KV cache is one tensor ``[num_blocks + 1, block_size, num_kv_heads, 2 * head_size]``
+(keys then values in the last axis); the extra block is a scratch page that padded tokens
+(slot -1) are written to, so a write never needs a host-side filter. A step writes its new
+keys and values with one ``index_copy_`` on the flattened pages, then each request reads its
+pages with one ``index_select`` over its block-table row. Queries are regrouped per request
+(``[requests, longest query, heads, head_size]``) and masked by position, so one program
+serves prefill, decode, chunked prefill and prefix-cache hits alike: a query at position
+``p`` sees every cached key at positions ``<= p`` of its own request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+
+@dataclass
+class TpuPagedAttentionMetadata:
+    """What every layer of one step needs to find its queries' keys (shared across layers)."""
+
+    num_actual_tokens: int
+    block_table: torch.Tensor  # [requests, pages read] page ids
+    seq_lens: torch.Tensor  # [requests] tokens in each request's context, this step included
+    query_rows: torch.Tensor  # [requests * longest query] the token each padded query row holds
+    token_rows: torch.Tensor  # [tokens] the padded query row each token lands in
+    query_positions: torch.Tensor  # [requests, longest query] position of each padded query row
+
+
+def query_layout(query_start_loc: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host index maps between the packed tokens and a [requests, width] grid of query rows."""
+    starts, lens = query_start_loc[:-1], np.diff(query_start_loc)
+    offsets = np.arange(width)
+    # Rows past a request's length repeat its first token: valid data, discarded afterwards.
+    rows = starts[:, None] + np.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
+    req_of_token = np.repeat(np.arange(len(lens)), lens)
+    token_rows = req_of_token * width + (np.arange(query_start_loc[-1]) - starts[req_of_token])
+    return rows.reshape(-1), token_rows
+
+
+class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentionMetadata]):
+    """Builds :class:`TpuPagedAttentionMetadata` once per step from vLLM's common metadata."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TpuPagedAttentionMetadata:
+        m = common_attn_metadata
+        width = m.max_query_len
+        query_rows, token_rows = query_layout(m.query_start_loc_cpu.numpy(), width)
+        pages = -(-m.max_seq_len // self.block_size)
+        to_device = lambda a: torch.from_numpy(a.astype(np.int64)).to(self.device)  # noqa: E731
+        seq_lens = m.seq_lens[: m.num_reqs]
+        query_lens = m.query_start_loc[1 : m.num_reqs + 1] - m.query_start_loc[: m.num_reqs]
+        offsets = torch.arange(width, device=self.device)
+        positions = (seq_lens - query_lens)[:, None].long() + offsets[None, :]
+        return TpuPagedAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            block_table=m.block_table_tensor[: m.num_reqs, :pages],
+            seq_lens=seq_lens,
+            query_rows=to_device(query_rows),
+            token_rows=to_device(token_rows),
+            query_positions=positions,
+        )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each token's key and value at its slot; padded tokens (slot < 0) go to the scratch page."""
+    pages, block_size, heads, width = kv_cache.shape
+    scratch = (pages - 1) * block_size
+    n = min(key.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n].long()
+    slots = torch.where(slots < 0, torch.full_like(slots, scratch), slots)
+    flat = kv_cache.view(pages * block_size, heads, width)
+    flat.index_copy_(0, slots, torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype))
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedAttentionMetadata,
+                    scale: float, head_size: int, sliding_window: int | None,
+                    soft_cap: float | None) -> torch.Tensor:
+    """Causal attention of packed queries [tokens, heads, d] over their requests' cached keys."""
+    requests, pages = meta.block_table.shape
+    _, block_size, kv_heads, _ = kv_cache.shape
+    heads, width = query.shape[1], meta.query_positions.shape[1]
+    q = query.index_select(0, meta.query_rows).view(requests, width, heads, head_size)
+    kv = kv_cache.index_select(0, meta.block_table.reshape(-1).long())
+    kv = kv.view(requests, pages * block_size, kv_heads, -1)
+    k, v = kv[..., :head_size], kv[..., head_size:]
+    if heads != kv_heads:  # grouped-query attention: each kv head serves heads // kv_heads queries
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).float() * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    key_pos = torch.arange(pages * block_size, device=query.device)
+    q_pos = meta.query_positions[:, :, None]
+    visible = (key_pos[None, None, :] <= q_pos) & (key_pos[None, None, :] < meta.seq_lens[:, None, None])
+    if sliding_window is not None:
+        visible = visible & (key_pos[None, None, :] > q_pos - sliding_window)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [requests, heads, width, d_v]
+    out = out.transpose(1, 2).reshape(requests * width, heads, -1)
+    return out.index_select(0, meta.token_rows)
+
+
+class TpuPagedAttentionImpl(AttentionImpl[TpuPagedAttentionMetadata]):
+    """Decoder self-attention over the paged cache (multi-head and grouped-query)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None, **kwargs) -> None:
+        if alibi_slopes is not None or sinks is not None:
+            raise NotImplementedError("tpu: ALiBi and attention sinks are not supported by "
+                                      "torchtpu's vLLM attention backend yet.")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"tpu: attention type {attn_type} is not supported by "
+                                      "torchtpu's vLLM attention backend (decoder only).")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.kv_sharing_target_layer_name is None:
+            write_kv(kv_cache, key, value, slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tpu: fused output quantization is not supported by "
+                                      "torchtpu's vLLM attention backend.")
+        if attn_metadata is None:  # profiling run: no cache bound yet
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        out = paged_attention(query[:n], kv_cache, attn_metadata, self.scale, self.head_size,
+                              self.sliding_window, self.logits_soft_cap)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+
+class TpuPagedAttentionBackend(AttentionBackend):
+    """vLLM attention backend: paged KV cache in tpu memory, read and written with torch ops."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[TpuPagedAttentionImpl]:
+        return TpuPagedAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TpuPagedAttentionMetadataBuilder]:
+        return TpuPagedAttentionMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)  # each layer's tensor is [blocks, tokens, heads, k|v]

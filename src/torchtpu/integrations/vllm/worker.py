@@ -1,0 +1,95 @@
+"""``TpuWorker``: vLLM's GPU worker on one ``tpu`` device, with the KV cache sized for it.
+
+vLLM's GPU worker measures free memory with CUDA's allocator around a profiling forward; on
+tpu the profiling forward still runs (it also compiles the largest batch shape), and the KV
+cache gets ``--kv-cache-memory-bytes`` when given, else ``--gpu-memory-utilization`` of the
+device less what is in use. On XLA:CPU (host memory shared with the whole machine) the
+default is :data:`HOST_DEFAULT_KV_CACHE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from contextlib import nullcontext
+
+import torch
+from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes
+from vllm.v1.worker.workspace import init_workspace_manager
+
+from torchtpu.integrations.vllm.model_runner import TpuModelRunner
+from torchtpu.integrations.vllm.platform import host_backed, memory_info
+
+logger = logging.getLogger(__name__)
+
+HOST_DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+
+class TpuWorker(Worker):
+    """vLLM worker for one ``tpu`` device."""
+
+    def init_device(self) -> None:
+        """Bind tpu:local_rank, set up vLLM's (single-process) groups, build the model runner."""
+        self.device = torch.device(f"tpu:{self.local_rank}")
+        torch.tpu.set_device(self.device)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        gc.collect()
+        init_workspace_manager(self.device, 1)
+        self.model_runner = TpuModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.load_model(load_dummy_weights=load_dummy_weights)
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache, after one profiling forward at the largest batch."""
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.profile_run()
+        torch.tpu.synchronize()
+        if self.cache_config.kv_cache_memory_bytes:
+            return self.cache_config.kv_cache_memory_bytes
+        index = self.device.index or 0
+        if host_backed(index):
+            logger.info("tpu is XLA:CPU (host memory): KV cache capped at %d MiB; set "
+                        "--kv-cache-memory-bytes to change it.", HOST_DEFAULT_KV_CACHE_BYTES >> 20)
+            return HOST_DEFAULT_KV_CACHE_BYTES
+        free, total = memory_info(index)
+        available = int(total * self.cache_config.gpu_memory_utilization) - (total - free)
+        if available <= 0:
+            raise RuntimeError(
+                f"tpu: no memory left for the KV cache ({(total - free) / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB in use); raise --gpu-memory-utilization or set "
+                "--kv-cache-memory-bytes."
+            )
+        return available
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        """Run (and so compile) the decode batch shape and the sampler once.
+
+        The GPU worker's version also warms Triton kernels and captures CUDA graphs; tpu has
+        neither, and XLA compiles each new shape on first use.
+        """
+        max_num_reqs = min(self.scheduler_config.max_num_seqs,
+                           self.scheduler_config.max_num_batched_tokens)
+        _, last_hidden = self.model_runner._dummy_run(
+            num_tokens=max_num_reqs, skip_eplb=True, cudagraph_runtime_mode=CUDAGraphMode.NONE)
+        self.model_runner._dummy_sampler_run(hidden_states=last_hidden)
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=self.compilation_config.compilation_time,
+                                encoder=self.compilation_config.encoder_compilation_time)
+
+    def _maybe_get_memory_pool_context(self, tag: str):
+        return nullcontext()  # no CuMem pools: XLA owns tpu memory
+
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("tpu: sleep mode is not supported by torchtpu's vLLM worker.")
