@@ -78,6 +78,15 @@ def test_synchronize_streams_events():
     assert_close(z.cpu(), x.cpu() * 2 + 1)
 
 
+def test_tpu_stream_is_a_torch_stream_and_record_stream_works():
+    s = torch.tpu.Stream(priority=-1)
+    assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0) and s.priority == -1
+    x = torch.randn(8, device="tpu")
+    x.record_stream(s)  # SGLang's mixed-chunk batches call it; nothing to do on one in-order stream
+    x.record_stream(torch.tpu.current_stream())
+    assert_close((x * 2).cpu(), x.cpu() * 2)
+
+
 def test_memory_stats_track_live_buffers():
     torch.tpu.synchronize()
     before = torch.tpu.memory_allocated()

@@ -165,7 +165,14 @@ def _assert_async(self, assert_msg: str | None = None) -> None:
         raise RuntimeError(assert_msg or "Expected Tensor with single nonzero value, but got zero")
 
 
+def record_stream(self, stream) -> None:
+    """``Tensor.record_stream``: nothing to do. It keeps a caching allocator from reusing a block
+    while another stream may still use it; XLA keeps a buffer alive while any queued program
+    reads it, and a device runs its work on one in-order stream."""
+
+
 KERNELS = {
+    aten.record_stream.default: record_stream,
     aten._assert_async.default: _assert_async,
     aten._assert_async.msg: _assert_async,
     aten.equal.default: equal,

@@ -45,13 +45,20 @@ def synchronize(device: Any = None) -> None:
     memory.record_peak()
 
 
-class Stream:
-    """The device's one in-order stream: ``wait_stream`` and ``wait_event`` are no-ops because
-    ordering already holds; ``synchronize`` waits for everything queued on the device."""
+class Stream(torch.Stream):
+    """The device's one in-order stream, a ``torch.Stream`` (so ``Tensor.record_stream`` and
+    ``torch.accelerator`` take it): ``wait_stream`` and ``wait_event`` are no-ops because ordering
+    already holds; ``synchronize`` waits for everything queued on the device."""
 
-    def __init__(self, device: Any = None, priority: int = 0):
-        self.device = torch.device("tpu", state.device_index(device))
-        self.priority = priority
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs):
+        return super().__new__(cls, device=torch.device("tpu", state.device_index(device)), priority=priority)
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs):
+        self._priority = priority  # (torch.Stream.__new__ made the stream)
+
+    @property
+    def priority(self) -> int:
+        return self._priority
 
     def synchronize(self) -> None:
         synchronize(self.device)
@@ -76,12 +83,6 @@ class Stream:
 
     def __exit__(self, *exc):
         return False
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Stream) and other.device == self.device
-
-    def __hash__(self) -> int:
-        return hash(("tpu-stream", self.device))
 
 
 class Event:
