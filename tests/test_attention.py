@@ -209,6 +209,22 @@ def test_sdpa_compiled(backend):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.usefixtures("no_fallback")
+def test_sdpa_compiled_inside_opinfos_reseeding():
+    """OpInfo's wrapper_set_seed (freeze_rng_state, then torch.manual_seed) in a compiled region:
+    torch.tpu's rng-state functions graph-break and run eagerly, as torch.cuda's do (dynamo traced
+    into set_rng_state under freeze_rng_state's no_dispatch, and failed)."""
+    from torch.testing._utils import wrapper_set_seed
+
+    q = _randn(1, 2, 6, 4, seed=6)
+    fn = torch.compile(lambda q: wrapper_set_seed(F.scaled_dot_product_attention, q, q, q), backend="tpu")
+    torch.tpu.manual_seed(7)
+    before = torch.tpu.get_rng_state()
+    got = fn(q.to("tpu")).cpu()
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q), atol=1e-5, rtol=1e-4)
+    assert torch.equal(torch.tpu.get_rng_state(), before)  # freeze_rng_state restored the seed 42 set inside
+
+
 def test_platform_overrides_are_registered_and_fall_back():
     low = registry.LOWERINGS[FUSED]
     assert low.impl("gpu") is attention.fused_attention_gpu
