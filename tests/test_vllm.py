@@ -1,0 +1,280 @@
+"""vLLM serving on ``tpu``: the platform plugin, the slot-mapping kernel, the paged attention
+backend, and ``vllm serve`` queried with the ``openai`` client.
+
+Needs the vllm extra (``tools/vllm_env.sh`` builds a venv with it); skipped without it.
+The model is a tiny random Llama built by ``tools/make_tiny_llama.py``; every greedy output is
+compared with Hugging Face ``generate`` on CPU. Servers and the offline engine run in
+subprocesses (own process group, free port), killed at the end whatever happens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REASON = "the vllm extra is not installed (tools/vllm_env.sh, or pip install 'torchtpu[vllm]')"
+vllm = pytest.importorskip("vllm", reason=REASON)
+openai = pytest.importorskip("openai", reason=REASON)
+transformers = pytest.importorskip("transformers", reason=REASON)
+
+from torchtpu.integrations.vllm import activate, check_vllm_version  # noqa: E402
+from torchtpu.integrations.vllm.attention import (  # noqa: E402
+    TpuPagedAttentionMetadata,
+    paged_attention,
+    query_layout,
+    write_kv,
+)
+from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "The clockmaker said",
+    "In the village of Lower Fenwick there lived",
+    # longer than the server's --max-num-batched-tokens below: prefilled in chunks
+    "Aldous was not a young man. His hands had grown slow, but they had not grown careless. "
+    "He said that a clock was a patient thing, and that a",
+]
+MAX_NEW = 12
+CHUNK = 32
+SERVER_START_S = 400
+ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
+               "--max-num-batched-tokens", str(CHUNK), "--dtype", "float32", "--block-size", "16"]
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", REPO / "tools" / "make_tiny_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(load_builder()(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    """The checkpoint in Hugging Face on CPU, float32: the reference."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int = MAX_NEW) -> list[int]:
+    _, model = hf
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+# ---------------------------------------------------------------- the pieces, without an engine
+
+def test_version_range_is_enforced():
+    assert check_vllm_version("0.33.0") == "0.33.0"
+    with pytest.raises(RuntimeError, match=r"supports vllm>=0.33.0,<0.34.0, but vllm 0.34.1"):
+        check_vllm_version("0.34.1")
+
+
+def test_plugin_activates_on_request_only(monkeypatch):
+    monkeypatch.setenv("VLLM_PLATFORM", "tpu")
+    assert activate() == "torchtpu.integrations.vllm.platform.TpuPlatform"
+    monkeypatch.setenv("VLLM_PLATFORM", "cuda")
+    assert activate() is None
+
+
+def test_slot_mapping_matches_python_reference():
+    gen = torch.Generator().manual_seed(0)
+    block, stride = 4, 6
+    table = torch.randperm(40, generator=gen)[:3 * stride].view(3, stride).int()
+    q_lens, ctx = [5, 1, 7], [0, 9, 3]  # a prefill, a decode, a chunk after a cached context
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens)])
+    n, padded = int(qsl[-1]), int(qsl[-1]) + 3
+    out = torch.full((padded + 2,), 7, dtype=torch.int64)
+    expect = [int(table[r, p // block]) * block + p % block
+              for r, (c, q) in enumerate(zip(ctx, q_lens)) for p in range(c, c + q)]
+    slots = out.to("tpu")
+    compute_slot_mapping(n, padded, qsl.to("tpu"), positions.to("tpu"), table.to("tpu"), stride,
+                         slots, block)
+    assert slots.cpu().tolist() == expect + [-1] * 3 + [7, 7]
+
+
+def reference_attention(q, keys, values, q_lens, seq_lens, scale):
+    """Per-request causal SDPA on CPU; a request's queries are the last q_len of its seq_len tokens."""
+    outs, start = [], 0
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        query = q[start:start + q_len].transpose(0, 1)
+        k, v = keys[r][:seq_len].transpose(0, 1), values[r][:seq_len].transpose(0, 1)
+        rows = torch.arange(seq_len - q_len, seq_len)[:, None]
+        mask = torch.arange(seq_len)[None, :] <= rows
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)
+
+
+def test_paged_attention_matches_sdpa():
+    """Prefill, decode and a chunk after a cached prefix in one batch, grouped-query heads."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block, num_blocks = 4, 2, 8, 4, 12
+    q_lens, seq_lens = [6, 1, 3], [6, 9, 10]
+    table = torch.tensor([[3, 7, 0], [1, 5, 9], [10, 2, 4]], dtype=torch.int32)
+    keys = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
+    values = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
+    cache = torch.zeros(num_blocks + 1, block, kv_heads, 2 * dim).to("tpu")
+
+    def slots(r, positions):
+        return [int(table[r, p // block]) * block + p % block for p in positions]
+
+    # The cached context first (one write), then this step's tokens plus one padded token.
+    ctx = [(r, range(s - q)) for r, (q, s) in enumerate(zip(q_lens, seq_lens)) if s > q]
+    write_kv(cache, torch.cat([keys[r][p] for r, p in ctx]).to("tpu"),
+             torch.cat([values[r][p] for r, p in ctx]).to("tpu"),
+             torch.tensor(sum((slots(r, p) for r, p in ctx), [])).to("tpu"))
+    new = [range(s - q, s) for q, s in zip(q_lens, seq_lens)]
+    step_slots = sum((slots(r, p) for r, p in enumerate(new)), []) + [-1]
+    k_new = torch.cat([keys[r][p] for r, p in enumerate(new)] + [torch.full((1, kv_heads, dim), 9.0)])
+    v_new = torch.cat([values[r][p] for r, p in enumerate(new)] + [torch.full((1, kv_heads, dim), 9.0)])
+    write_kv(cache, k_new.to("tpu"), v_new.to("tpu"), torch.tensor(step_slots).to("tpu"))
+
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    width = max(q_lens)
+    rows, token_rows = query_layout(np.concatenate([[0], np.cumsum(q_lens)]), width)
+    positions = (torch.tensor(seq_lens) - torch.tensor(q_lens))[:, None] + torch.arange(width)
+    meta = TpuPagedAttentionMetadata(
+        num_actual_tokens=sum(q_lens), block_table=table.to("tpu"),
+        seq_lens=torch.tensor(seq_lens).to("tpu"), query_rows=torch.from_numpy(rows).to("tpu"),
+        token_rows=torch.from_numpy(token_rows).to("tpu"), query_positions=positions.to("tpu"))
+    got = paged_attention(q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()
+    want = reference_attention(q, keys, values, q_lens, seq_lens, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the OpenAI-compatible server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env() -> dict:
+    return {**os.environ, "VLLM_PLATFORM": "tpu"}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`vllm serve` on tpu on a free port; yields an openai client; killed at the end."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--served-model-name", "tiny", "--enable-prompt-tokens-details",
+           *ENGINE_ARGS]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(),
+                                start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60,
+                           max_retries=0)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield client
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def complete_ids(client, prompt: str, **kw):
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=MAX_NEW,
+                                  extra_body={"return_token_ids": True}, **kw)
+    return r.choices[0].prompt_token_ids, r.choices[0].token_ids, r
+
+
+def test_server_greedy_matches_hf_batched_and_chunked(server, hf):
+    """Three concurrent requests (batched decode; the long one prefilled in chunks)."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: complete_ids(server, p), PROMPTS))
+    assert len(results[2][0]) > CHUNK
+    for prompt_ids, ids, _ in results:
+        assert ids == hf_greedy(hf, prompt_ids)
+
+
+def test_server_prefix_cache_hit_matches_hf(server, hf):
+    prompt = PROMPTS[2]
+    complete_ids(server, prompt)
+    prompt_ids, ids, r = complete_ids(server, prompt + " little")
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16  # at least one block reused
+    assert ids == hf_greedy(hf, prompt_ids)
+
+
+def test_server_chat_stream_stop_and_sampling(server, hf):
+    tokenizer, _ = hf
+    messages = [{"role": "user", "content": "Tell me about the clock."}]
+    chat = server.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0, extra_body={"return_token_ids": True})
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = list(getattr(prompt_ids, "input_ids", prompt_ids))
+    assert chat.choices[0].token_ids == hf_greedy(hf, prompt_ids, 6)
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+
+    whole = server.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    pieces = server.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text
+
+    stop_at = whole.choices[0].text[3:5]
+    stopped = server.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0, stop=[stop_at])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == whole.choices[0].text.split(stop_at)[0]
+
+    sample = dict(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0.9, top_p=0.8,
+                  seed=123, extra_body={"top_k": 50})
+    first = server.completions.create(**sample).choices[0].text
+    assert server.completions.create(**sample).choices[0].text == first
+
+
+# ---------------------------------------------------------------- offline LLM.generate
+
+OFFLINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=256, max_num_seqs=4,
+          max_num_batched_tokens={chunk}, dtype="float32", block_size=16)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens={n}))
+print("RESULT" + json.dumps([[o.prompt_token_ids, list(o.outputs[0].token_ids)] for o in outs]))
+"""
+
+
+@pytest.mark.slow
+def test_offline_generate_matches_hf(model_dir, hf):
+    import json
+
+    script = OFFLINE.format(chunk=CHUNK, n=MAX_NEW)
+    env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", script, model_dir, json.dumps(PROMPTS)],
+                          capture_output=True, text=True, env=env, timeout=SERVER_START_S)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    for prompt_ids, ids in json.loads(line[0][len("RESULT"):]):
+        assert ids == hf_greedy(hf, prompt_ids)
