@@ -22,6 +22,7 @@ from torch.fx import GraphModule
 from torchtpu.compile import collectives, graph as graph_lowering, warm
 from torchtpu.compile.cache import compiler_options
 from torchtpu.compile.executable import CompiledGraph, PiecewiseGraph
+from torchtpu.compile.graph_code import GraphCode
 from torchtpu.ops import registry
 
 # torch.compile's ``mode`` tunes Inductor; XLA has no equivalent, so they are accepted and ignored.
@@ -61,7 +62,7 @@ def _compiler(kind: str, options: dict[str, Any], cache_key: str | None) -> Call
     def compile_graph(gm: GraphModule, example_inputs) -> Callable:
         graph = build_graph(gm, kind, options)
         if cache_key is not None:  # AOTAutogradCache stores it (warm.py)
-            return warm.GraphCode(gm=gm, kind=kind, options=options, key=cache_key, graph=graph)
+            return GraphCode(gm=gm, kind=kind, options=options, key=cache_key, graph=graph)
 
         def run(args: list) -> list:
             return graph(args)
@@ -71,7 +72,7 @@ def _compiler(kind: str, options: dict[str, Any], cache_key: str | None) -> Call
         return run
 
     if cache_key is not None:
-        return SerializableAOTDispatchCompiler(warm.GraphCode, compile_graph)
+        return SerializableAOTDispatchCompiler(GraphCode, compile_graph)
     return compile_graph
 
 

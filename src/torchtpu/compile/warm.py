@@ -6,7 +6,9 @@ input mutations, output aliases, which activations the backward reads) and, on a
 the wrappers around the stored graphs without tracing anything. It stores a backend's work only
 when the backend's compilers return ``OutputCode`` objects it can pickle: ``GraphCode`` is ours,
 a compiled graph that pickles as its aten graph and is rebuilt in the process that loads it
-(lowered to JAX on its first call, its XLA executable loaded from JAX's persistent cache).
+(lowered to JAX on its first call, its XLA executable loaded from JAX's persistent cache). It
+lives in ``graph_code.py``: it subclasses an Inductor class, and this module must import without
+Inductor (``install()`` runs while dynamo is being imported, Inductor half-way through its own).
 
 The key is PyTorch's (the dynamo graph, its inputs' shapes, dtypes, strides and symbolic sizes
 with their guards, the torch version, grad mode, autocast and the functorch settings) plus ours
@@ -24,18 +26,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-from torch._inductor.output_code import OutputCode
-from torch.fx import GraphModule
 
 from torchtpu import metrics
 from torchtpu.compile import cache
@@ -51,80 +50,6 @@ _COUNTERS = {"autograd_cache_hit": "warm_hits", "autograd_cache_miss": "warm_mis
 # PyTorch skips an entry it cannot unpickle with this warning, on this logger (GuardedCache).
 _UNREADABLE = "unable to load compiled graph"
 _CODECACHE_LOGGER = "torch._inductor.codecache"
-
-
-@dataclasses.dataclass
-class GraphCode(OutputCode):
-    """A compiled graph that AOTAutogradCache can store: pickled as its aten graph, rebuilt on load."""
-
-    gm: GraphModule | None = None
-    kind: str = "inference"
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    key: str = ""  # key(): checked on load, as PyTorch's Dynamo cache stores entries without it
-    graph: Callable | None = dataclasses.field(default=None, repr=False)  # CompiledGraph / PiecewiseGraph
-    pickled_gm: bytes | None = dataclasses.field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        # aot_autograd passes one list we may free. An instance attribute: its wrappers copy the
-        # instance's __dict__ (functools.update_wrapper), not the class's.
-        self._boxed_call = True
-
-    def __call__(self, args: list) -> list:
-        return self.graph(args)
-
-    def prepare_for_serialization(self) -> None:
-        # Called on a copy (BundledOutputCodeLoadable.pre_save): the live graph keeps running.
-        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
-        from torch.fx._graph_pickler import GraphPickler, Options
-
-        from torchtpu.compile import collectives
-
-        if collectives.groups(self.gm):  # their process groups belong to this process: not stored
-            raise BypassAOTAutogradCache("tpu: a graph with collectives is not stored across processes")
-        if self.gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
-            # aot_autograd's wrapper of a loaded entry passes no effect token (measured: linalg.inv)
-            raise BypassAOTAutogradCache("tpu: a graph with effect tokens is not stored")
-        if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in _constants(self.gm)):
-            # GraphPickler copies constants to the CPU under a FakeTensorMode, which a tpu tensor fails
-            raise BypassAOTAutogradCache("tpu: a graph with tpu tensor constants is not stored")
-        self.pickled_gm = GraphPickler.dumps(self.gm, Options(ops_filter=None))
-        self.gm = self.graph = None
-
-    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
-        if self.graph is not None:
-            return
-        try:
-            from torchtpu.compile.backend import decompositions
-
-            if self.key != key(self.options, decompositions()):
-                raise RuntimeError("it was made by another torchtpu, JAX, platform or decomposition table")
-            self.graph = _rebuild(self.pickled_gm, self.kind, self.options)
-            cache.count("warm_loads")
-        except Exception as exc:  # PyTorch then traces the graph again (a RuntimeError for the Dynamo cache)
-            cache.count("warm_errors")
-            warnings.warn(f"tpu: could not reuse a compiled graph from PyTorch's compile caches "
-                          f"({type(exc).__name__}: {exc}); tracing it again", RuntimeWarning, stacklevel=2)
-            raise RuntimeError(f"tpu: unusable cache entry: {exc}") from exc
-        self.pickled_gm = None
-
-    def set_triton_bundle(self, triton_bundle: Any) -> None:
-        pass
-
-
-def _constants(gm: GraphModule) -> Iterator[Any]:
-    for node in gm.graph.find_nodes(op="get_attr"):
-        yield getattr(gm, node.target, None)
-
-
-def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
-    from torch._subclasses import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from torchtpu.compile.backend import build_graph
-
-    gm = GraphPickler.loads(pickled_gm, FakeTensorMode(shape_env=ShapeEnv()))
-    return build_graph(gm, kind, options)
 
 
 def enabled() -> bool:
@@ -172,7 +97,7 @@ def _sources_digest() -> str:
     # The modules that decide what aot_autograd is asked for and what an entry holds.
     here = os.path.dirname(__file__)
     digest = hashlib.sha256()
-    for name in ("backend.py", "warm.py"):
+    for name in ("backend.py", "warm.py", "graph_code.py"):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
