@@ -48,7 +48,8 @@ PROMPTS = [
 MAX_NEW = 12
 CHUNK = 32
 SERVER_START_S = 400
-ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
+# No --enforce-eager: the platform must choose eager execution itself (see platform.py).
+ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "4",
                "--max-num-batched-tokens", str(CHUNK), "--dtype", "float32", "--block-size", "16"]
 
 
@@ -259,7 +260,7 @@ def test_server_chat_stream_stop_and_sampling(server, hf):
 OFFLINE = """
 import json, sys
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], enforce_eager=True, max_model_len=256, max_num_seqs=4,
+llm = LLM(model=sys.argv[1], max_model_len=256, max_num_seqs=4,
           max_num_batched_tokens={chunk}, dtype="float32", block_size=16)
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens={n}))
 print("RESULT" + json.dumps([[o.prompt_token_ids, list(o.outputs[0].token_ids)] for o in outs]))

@@ -151,10 +151,14 @@ class TpuPlatform(Platform):
         compilation = vllm_config.compilation_config
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
-        if compilation.mode == CompilationMode.VLLM_COMPILE:
-            # vLLM's piecewise Inductor pipeline emits Triton; torchtpu's backend compiles
-            # the whole model forward with XLA instead (attention runs eagerly between pieces).
-            compilation.mode = CompilationMode.DYNAMO_TRACE_ONCE
-            compilation.backend = "tpu"
+        if compilation.mode != CompilationMode.NONE:
+            # vLLM's piecewise pipeline compiles with Inductor (Triton). Tracing the whole
+            # forward once with the tpu backend instead runs 6x faster but is wrong: the
+            # attention custom ops read per-step metadata from vLLM's forward context, which
+            # the trace freezes (outputs then differ from Hugging Face). Eager until the
+            # attention ops are split out of the compiled graph.
+            logger.warning("tpu: torch.compile of the model forward is not supported yet; "
+                           "running eagerly (as with --enforce-eager).")
+            compilation.mode = CompilationMode.NONE
         if vllm_config.lora_config is not None:
             raise NotImplementedError("tpu: LoRA is not supported by torchtpu's vLLM platform yet.")
