@@ -52,6 +52,12 @@ KNOWN_CAUSES: list[tuple[str, str, str]] = [
      "with only the math SDPA backend enabled (sdpa_kernel(MATH), the fp32 cases without kernels), the tpu SDPA "
      "kernel passes a boolean mask to _scaled_dot_product_attention_math unconverted, which adds it as 0/1; "
      "PyTorch converts it to 0/-inf first. Fix belongs in src/torchtpu/eager/attention.py", "ours"),
+    # skip reasons
+    (r"requires FlexAttention", "transformers' is_torch_flex_attn_available() answers False whenever the "
+     "accelerator is a `tpu` (written for other TPU stacks); torchtpu itself runs flex_attention", "transformers"),
+    (r"requires Flash Attention|requires the kernels library|requires MPS|requires deepspeed",
+     "CUDA/MPS-only kernels or packages", "not the device"),
+    (r"test is slow", "transformers runs these with RUN_SLOW=1", "not run here"),
     (r"same number of <eos> tokens",
      "the common SDPA test pads rows unevenly; T5ForSequenceClassification needs one eos per row",
      "test input, not the device"),
@@ -308,8 +314,10 @@ def _failure_section(results: list[ArchResult]) -> list[str]:
 def _skip_section(results: list[ArchResult]) -> list[str]:
     reasons = collections.Counter(reason_key(t["reason"]) for r in results for t in r.tests
                                   if t["outcome"] == "skipped")
-    lines = ["## Skips, grouped by reason (top 15)", "", "| count | reason |", "| --- | --- |"]
-    lines += [f"| {n} | `{_cell(key)}` |" for key, n in reasons.most_common(15)]
+    lines = ["## Skips, grouped by reason (top 15)", "", "| count | reason | note |", "| --- | --- | --- |"]
+    for key, n in reasons.most_common(15):
+        cause, whose = known_cause(key)
+        lines.append(f"| {n} | `{_cell(key)}` | {_cell(f'{cause} ({whose})' if cause else '')} |")
     return lines + [""]
 
 
