@@ -152,11 +152,11 @@ class TpuPlatform(Platform):
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
         if compilation.mode != CompilationMode.NONE:
-            # vLLM's piecewise pipeline compiles with Inductor (Triton). Tracing the whole
-            # forward once with the tpu backend instead runs 6x faster but is wrong: the
-            # attention custom ops read per-step metadata from vLLM's forward context, which
-            # the trace freezes (outputs then differ from Hugging Face). Eager until the
-            # attention ops are split out of the compiled graph.
+            # Every compiled path tried gives tokens that differ from Hugging Face's: one trace
+            # of the forward with the tpu backend (6x faster), and vLLM's piecewise pipeline
+            # (attention and KV writes split out, run eagerly) with the tpu backend or with
+            # vLLM's own "eager" one. So the fault is upstream of the compiler (the Dynamo-traced
+            # forward on tpu, or the split-out ops called through torch.ops). Eager until found.
             logger.warning("tpu: torch.compile of the model forward is not supported yet; "
                            "running eagerly (as with --enforce-eager).")
             compilation.mode = CompilationMode.NONE
