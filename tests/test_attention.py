@@ -235,3 +235,16 @@ def test_platform_overrides_are_registered_and_fall_back():
     # float32 and dropout are not cuDNN's: the override hands them to the generic lowering
     q, k, v = (jnp.asarray(_randn(1, 2, 6, 8, seed=s).numpy()) for s in range(3))
     registry.check_override(FUSED, "gpu", q, k, v, None, 0.0, True, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("backends", [[SDPBackend.MATH], [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]])
+def test_sdpa_boolean_mask_matches_cpu_on_every_backend(backends):
+    """A boolean mask (True attends) masks on the math path too, fully masked rows (left padding) included."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 7, 8) for _ in range(3))
+    mask = torch.tril(torch.ones(7, 7, dtype=torch.bool)).expand(3, 1, 7, 7).clone()
+    mask[-1, :, :, :2] = False  # the last row's first two keys are padding: its first two queries see nothing
+    with sdpa_kernel(backends):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        got = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), attn_mask=mask.to("tpu"))
+    torch.testing.assert_close(got.cpu(), expected)

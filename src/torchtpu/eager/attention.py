@@ -83,6 +83,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when "
                            "is_causal=True")
     if choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == SDPBackend.MATH:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # PyTorch's SDPA makes a boolean mask additive (True: 0, False: -inf) before its math backend,
+            # which adds whatever mask it gets to the scores.
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(),
+                                                                                   float("-inf"))
         return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
                                                        scale=scale, enable_gqa=enable_gqa)[0]
     return aten._scaled_dot_product_fused_attention_overrideable(query, key, value, attn_mask, dropout_p,
