@@ -48,10 +48,6 @@ COMMON_DESELECT = ("test_generation_tester_mixin_inheritance",)
 
 # Known causes, matched against a failure's first line: (pattern, cause, whose). Read when grouping.
 KNOWN_CAUSES: list[tuple[str, str, str]] = [
-    (r"mean relative difference for hidden_states",
-     "with only the math SDPA backend enabled (sdpa_kernel(MATH), the fp32 cases without kernels), the tpu SDPA "
-     "kernel passes a boolean mask to _scaled_dot_product_attention_math unconverted, which adds it as 0/1; "
-     "PyTorch converts it to 0/-inf first. Fix belongs in src/torchtpu/eager/attention.py", "ours"),
     # skip reasons
     (r"requires FlexAttention", "transformers' is_torch_flex_attn_available() answers False whenever the "
      "accelerator is a `tpu` (written for other TPU stacks); torchtpu itself runs flex_attention", "transformers"),
