@@ -8,14 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_MEASURED = ("n/a (tpu backend not available)", "error", "skipped (error above)")
 ROW = re.compile(r"^\| (all_reduce|all_gather|reduce_scatter) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|")
 
 
+@pytest.mark.slow
 def test_quick_run_prints_numeric_raw_jax_and_gloo_columns():
-    # ~20 s on 2 cores (one torchrun launch, 9 programs compiled per process), so not marked slow;
-    # a failing tpu c10d column adds one --group-timeout.
+    # 13-20 s on 2 cores (one torchrun launch, 9 programs compiled per process): slow, to keep CI
+    # within its 15 minutes; a failing tpu c10d column adds one --group-timeout.
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHTPU_")}
     env.pop("XLA_FLAGS", None)  # one device per process, as torchrun users get
     proc = subprocess.run([sys.executable, "benchmarks/collectives.py", "--quick", "--nproc", "2",

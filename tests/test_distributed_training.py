@@ -32,12 +32,14 @@ def test_training_matches_one_cpu_process(nproc, args):
     assert_parity(nproc, *args)
 
 
-def test_fsdp_checkpoint_saved_by_4_resumes_on_2(tmp_path):
-    """FSDP2 on 4 processes (parity at every step) saves a sharded checkpoint at step 5; 2
-    processes load it, resharded, and steps 6-10 match both the saved run and the CPU run."""
-    assert_parity(4, "fsdp", "--save", str(tmp_path))
-    out = assert_parity(2, "fsdp", "--load", str(tmp_path))
-    assert "fsdp resumed, 2 processes" in out, out[-3000:]
+@pytest.mark.parametrize("saved, resumed", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path, saved, resumed):
+    """FSDP2 on ``saved`` processes (parity at every step) saves a sharded checkpoint at step 5;
+    ``resumed`` processes load it, resharded, and steps 6-10 match both the saved run and the CPU
+    run. (4 -> 2 costs 61 s, so CI runs 2 -> 1, 34 s, which reshards too.)"""
+    assert_parity(saved, "fsdp", "--save", str(tmp_path))
+    out = assert_parity(resumed, "fsdp", "--load", str(tmp_path))
+    assert f"fsdp resumed, {resumed} processes" in out, out[-3000:]
 
 
 SLOW = [

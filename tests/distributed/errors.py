@@ -29,7 +29,7 @@ try:
         if rank == 0:
             dist.all_gather_into_tensor(torch.empty(6, device=dev), torch.ones(3, device=dev))
         else:
-            time.sleep(20)
+            time.sleep(10)  # twice the group's 5 s timeout: rank 0 must give up while it is absent
     elif case == "dead":  # rank 1 dies after a collective both ran once
         x = torch.ones(5, device=dev)
         dist.all_reduce(x)
