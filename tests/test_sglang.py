@@ -10,10 +10,8 @@ most of it the engine's and the server's start.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,8 @@ transformers = pytest.importorskip("transformers", reason=REASON)
 from torchtpu.integrations.sglang import check_sglang_version  # noqa: E402
 from torchtpu.integrations.sglang.attention import paged_attention, plan_batch  # noqa: E402
 
+from serving_fixtures import MAX_NEW, free_port, hf, hf_greedy, model_dir  # noqa: E402,F401,F811 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "The clockmaker said",
@@ -39,36 +39,8 @@ PROMPTS = [
     "Aldous was not a young man. His hands had grown slow, but they had not grown careless. "
     "He said that a clock was a patient thing, and that a",
 ]
-MAX_NEW = 12
 CHUNK = 32
 SERVER_START_S = 300
-
-
-def load_builder():
-    spec = importlib.util.spec_from_file_location("make_tiny_llama", REPO / "tools" / "make_tiny_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(load_builder()(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    """The checkpoint in Hugging Face on CPU, float32: the reference."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tokenizer, model
-
-
-def hf_greedy(hf, prompt_ids: list[int], n: int = MAX_NEW) -> list[int]:
-    _, model = hf
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
 
 
 # ---------------------------------------------------------------- the pieces, without a server
@@ -151,12 +123,6 @@ def test_engine_prefix_cache_reuse(engine, hf):
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible server
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_healthy(proc, url: str, log: Path) -> None:
     import urllib.request

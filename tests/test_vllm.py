@@ -9,10 +9,9 @@ subprocesses (own process group, free port), killed at the end whatever happens.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,12 @@ from torchtpu.integrations.vllm.attention import (  # noqa: E402
 )
 from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E402
 
+from serving_fixtures import MAX_NEW, free_port, hf, model_dir  # noqa: E402,F401,F811 (fixtures)
+from serving_fixtures import hf_greedy as _hf_greedy  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
+# vLLM's requests here ignore the end-of-sequence token: so does the reference
+hf_greedy = functools.partial(_hf_greedy, eos_token_id=None)
 PROMPTS = [
     "The clockmaker said",
     "In the village of Lower Fenwick there lived",
@@ -45,40 +49,11 @@ PROMPTS = [
     "Aldous was not a young man. His hands had grown slow, but they had not grown careless. "
     "He said that a clock was a patient thing, and that a",
 ]
-MAX_NEW = 12
 CHUNK = 32
 SERVER_START_S = 400
 # No --enforce-eager: the platform must choose eager execution itself (see platform.py).
 ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "4",
                "--max-num-batched-tokens", str(CHUNK), "--dtype", "float32", "--block-size", "16"]
-
-
-def load_builder():
-    spec = importlib.util.spec_from_file_location("make_tiny_llama", REPO / "tools" / "make_tiny_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(load_builder()(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    """The checkpoint in Hugging Face on CPU, float32: the reference."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return tokenizer, model
-
-
-def hf_greedy(hf, prompt_ids: list[int], n: int = MAX_NEW) -> list[int]:
-    _, model = hf
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None)
-    return out[0, len(prompt_ids):].tolist()
 
 
 # ---------------------------------------------------------------- the pieces, without an engine
@@ -165,12 +140,6 @@ def test_paged_attention_matches_sdpa():
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible server
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def vllm_env() -> dict:
     return {**os.environ, "VLLM_PLATFORM": "tpu"}
