@@ -13,7 +13,7 @@ Nothing here imports SGLang at torchtpu's import time.
 
 from __future__ import annotations
 
-import os
+from torchtpu.integrations import check_version, serving_on_tpu
 
 # The SGLang releases this integration was written and tested against; its platform
 # interface changes between minor releases, so others are refused rather than half-working.
@@ -22,40 +22,14 @@ PLATFORM_CLASS = "torchtpu.integrations.sglang.platform.TpuSRTPlatform"
 BACKEND_NAME = "tpu"
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """(major, minor, patch) of a version string such as '0.5.23' or '0.5.23.post1'."""
-    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
-
-
 def check_sglang_version(installed: str | None = None) -> str:
-    """The installed SGLang version (or ``installed``); raise if it is outside the tested range."""
-    from importlib.metadata import version
-
-    installed = installed or version("sglang")
-    low, high = TESTED_SGLANG
-    if not low <= _release(installed) < high:
-        raise RuntimeError(
-            f"torchtpu's SGLang platform supports sglang>={'.'.join(map(str, low))},"
-            f"<{'.'.join(map(str, high))}, but sglang {installed} is installed. "
-            f"Install a supported release (pip install -e '.[sglang]' or tools/sglang_env.sh)."
-        )
-    return installed
-
-
-def _wanted() -> bool:
-    """Whether this process should serve on tpu: asked for by name, or tpu is the only accelerator."""
-    if os.environ.get("SGLANG_PLATFORM"):
-        return os.environ["SGLANG_PLATFORM"] == "tpu"
-    import torch
-
-    # Auto-selection must not take a CUDA machine away from SGLang's own CUDA platform.
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == "tpu" and not torch.cuda.is_available()
+    """The installed sglang version (or ``installed``); raise if it is outside the tested range."""
+    return check_version("sglang", TESTED_SGLANG, installed)
 
 
 def activate() -> str | None:
     """Entry point of ``sglang.srt.platforms``: the platform class's name, or None to decline."""
-    if not _wanted():
+    if not serving_on_tpu("SGLANG_PLATFORM"):
         return None
     check_sglang_version()
     # SGLang resolves its platform while `import sglang` is still running: importing its
