@@ -31,6 +31,7 @@ class TPUGraph:
     def __init__(self, keep_graph: bool = False):
         self._capture: _capture.Capture | None = None
         self._program: _capture.CapturedProgram | None = None
+        self._capturable = False  # compile_step's captures switch optimizers to capturable=True
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         """Start recording this context's eager ``tpu`` ops (``torch.tpu.graph`` calls this)."""
@@ -38,7 +39,7 @@ class TPUGraph:
             raise RuntimeError("TPUGraph.capture_begin: this graph is already capturing")
         if self._program is not None:
             raise RuntimeError("TPUGraph.capture_begin: this graph was already captured; call reset() first")
-        self._capture = _capture.Capture(auto_capturable=getattr(self, "_capturable", False))
+        self._capture = _capture.Capture(auto_capturable=self._capturable)
 
     def capture_end(self) -> None:
         """Stop recording; the graph can be replayed from now on."""
@@ -233,13 +234,12 @@ class CompiledStep:
     def _capture(self, entry: "_Entry", args) -> None:
         statics = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         g = TPUGraph()
-        g._capturable = True  # optimizers stepped in the capture switch to capturable=True
+        g._capturable = True
         with graph(g):
             output = self.fn(*statics)
         entry.program, entry.output = g._program, output
         entry.inputs = _tensors(statics)
         entry.slots = [entry.program.feed_slot(t.untyped_storage()) for t in entry.inputs]
-        entry.graph = g
 
     def _recaptured(self, reason: str) -> None:
         self.recaptures.append(reason)
@@ -252,11 +252,11 @@ class CompiledStep:
 
 
 class _Entry:
-    __slots__ = ("calls", "program", "output", "inputs", "slots", "graph")
+    __slots__ = ("calls", "program", "output", "inputs", "slots")
 
     def __init__(self):
         self.calls = 0
-        self.program = self.output = self.graph = None
+        self.program = self.output = None
         self.inputs: list = []
         self.slots: list = []  # per static input: where the program reads it (feed_slot), or None
 

@@ -24,7 +24,6 @@ import time
 import weakref
 
 import jax
-import jax.numpy as jnp
 from jax._src.array import ArrayImpl
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import fused, modes
-from torchtpu.runtime import errors, execution, placement, rng
+from torchtpu.runtime import errors, execution, rng
 from torchtpu.runtime.execution import Execution, current
 
 _U32 = ((), np.dtype(np.uint32), False)
@@ -185,7 +184,7 @@ class CaptureExecutor(fused.FusedExecutor):
                 continue
             now = getattr(storage, bridge.ATTR, None)
             if isinstance(now, fused.Deferred) and now.graph is self.graph and now.value is None:
-                storage._jax = _zeros(now.shape, now.dtype, index)()
+                storage._jax = bridge._zeros(now.size, now.dtype, index)()  # (flat: any shape holds a storage)
                 storage._static = True  # a static output: a later capture that reads it keeps it alive
         self.graph.error = "the graph capture that recorded it"
 
@@ -211,17 +210,6 @@ def _op_in_flight() -> str | None:
 @jax.jit
 def _add_u32(base, draws):
     return base + draws
-
-
-_zero_programs: dict = {}
-
-
-def _zeros(shape, dtype, index: int):
-    key = (shape, dtype, index)
-    fn = _zero_programs.get(key)
-    if fn is None:
-        fn = _zero_programs[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=placement.sharding(index))
-    return fn
 
 
 class CapturedProgram:
@@ -299,7 +287,7 @@ class CapturedProgram:
         if isinstance(array, bridge.Lazy):
             array = array.materialize()
         if array is not None and array.shape != shape and array.size == _size(shape) and array.dtype == dtype:
-            array = storage._jax = _reshape(shape)(array)  # the same bytes, read in another shape since
+            array = storage._jax = bridge._reshape(shape)(array)  # the same bytes, read in another shape since
         if array is None or array.shape != shape or array.dtype != dtype:
             raise RuntimeError(f"tpu graph replay: a tensor the captured region reads changed size or type "
                                f"since the capture (it held {dtype}{list(shape)}); capture again")
@@ -357,16 +345,6 @@ def _size(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-_reshapes: dict = {}
-
-
-def _reshape(shape):
-    fn = _reshapes.get(shape)
-    if fn is None:
-        fn = _reshapes[shape] = jax.jit(lambda a: a.reshape(shape))
-    return fn
 
 
 def _is_number(value) -> bool:
