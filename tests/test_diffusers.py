@@ -6,6 +6,10 @@ from a CPU ``torch.Generator`` (Diffusers' ``randn_tensor`` draws on the generat
 moves the noise to the pipeline's), so both runs denoise the same latents. Tolerance: 1e-5
 absolute on images in [0, 1] (measured differences are about 5e-7). The tpu runs have the CPU
 fallback off, so an op without a lowering fails instead of hiding on the host.
+
+Diffusers' tensor parallelism (``enable_parallelism`` with a ``TensorParallelConfig``, which
+shards the model's ``_tp_plan`` with DTensor) runs under ``torchrun`` with 2 processes on the
+``tpu_dist`` backend; the worker is ``tests/distributed/diffusers_tp.py`` (slow: about 50 s each).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pytest
 import torch
 
 import torchtpu
+from test_distributed import torchrun
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed (pip install 'torchtpu[diffusers]')")
 
@@ -107,3 +112,16 @@ def test_tpu_generator_reproducible():
     other = sample_ddpm(pipe, torch.Generator("tpu").manual_seed(4))
     assert (first == again).all()
     assert abs(first - other).max() > 0.1
+
+
+# two processes importing torch, JAX and Diffusers cost about 50 s on 2 cores
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tensor_parallel_under_torchrun_matches_cpu(compiled):
+    """A tiny Flux transformer sharded by Diffusers' own TP hooks over 2 tpu processes matches CPU.
+
+    The worker scrambles rank 1's planned weights first: only the shards Diffusers scatters from
+    rank 0 over ``tpu_dist`` give CPU's predictions.
+    """
+    code, out = torchrun("diffusers_tp.py", 2, *(["--compile"] if compiled else []), timeout=240)
+    assert code == 0 and "rank 0 parity ok" in out and "rank 1 parity ok" in out, out[-6000:]
