@@ -35,6 +35,8 @@ from torchtpu.integrations.vllm.attention import (  # noqa: E402
     write_kv,
 )
 from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E402
+from torchtpu.integrations.vllm.model_runner import token_buckets  # noqa: E402
+from torchtpu.integrations.vllm.platform import TpuPlatform  # noqa: E402
 
 from serving_fixtures import MAX_NEW, free_port, hf, model_dir  # noqa: E402,F401,F811 (fixtures)
 from serving_fixtures import hf_greedy as _hf_greedy  # noqa: E402
@@ -51,7 +53,7 @@ PROMPTS = [
 ]
 CHUNK = 32
 SERVER_START_S = 400
-# No --enforce-eager: the platform must choose eager execution itself (see platform.py).
+# No --enforce-eager: the forward is compiled (vLLM's piecewise mode, pieces on the tpu backend).
 ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "4",
                "--max-num-batched-tokens", str(CHUNK), "--dtype", "float32", "--block-size", "16"]
 
@@ -86,6 +88,28 @@ def test_slot_mapping_matches_python_reference():
     compute_slot_mapping(n, padded, qsl.to("tpu"), positions.to("tpu"), table.to("tpu"), stride,
                          slots, block)
     assert slots.cpu().tolist() == expect + [-1] * 3 + [7, 7]
+
+
+def test_token_buckets_are_bounded_and_cover_every_count():
+    buckets = token_buckets(8192)
+    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 8192
+    assert len(buckets) < 100  # programs per piece of the forward, whatever the traffic
+    assert all(b - a <= 256 for a, b in zip(buckets, buckets[1:]))
+    assert token_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+
+
+@pytest.mark.parametrize("mode", ["STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE"])
+def test_compile_modes_without_opaque_attention_are_refused(mode):
+    from vllm.config import CompilationConfig, CompilationMode
+
+    config = CompilationConfig(mode=CompilationMode[mode])
+    with pytest.raises(NotImplementedError, match=f"compilation mode {mode} is not supported"):
+        TpuPlatform._configure_compilation(config)
+
+
+def test_attention_is_opaque_to_dynamo():
+    """Inlined, the attention's per-step metadata is frozen into vLLM's single trace."""
+    assert TpuPlatform.opaque_attention_op()
 
 
 def reference_attention(q, keys, values, q_lens, seq_lens, scale):
@@ -146,8 +170,8 @@ def vllm_env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`vllm serve` on tpu on a free port; yields an openai client; killed at the end."""
+def served(model_dir, tmp_path_factory):
+    """`vllm serve` on tpu on a free port; yields an openai client and the log; killed at the end."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--port", str(port),
@@ -168,10 +192,15 @@ def server(model_dir, tmp_path_factory):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"vllm serve did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(1)
-        yield client
+        yield client, log
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def complete_ids(client, prompt: str, **kw):
@@ -187,6 +216,16 @@ def test_server_greedy_matches_hf_batched_and_chunked(server, hf):
     assert len(results[2][0]) > CHUNK
     for prompt_ids, ids, _ in results:
         assert ids == hf_greedy(hf, prompt_ids)
+
+
+def test_server_runs_the_compiled_forward(served):
+    """The greedy checks in this file run on the compiled forward: vLLM traced it and compiled
+    its pieces with torchtpu's compiler (the default without --enforce-eager)."""
+    server, log = served
+    complete_ids(server, PROMPTS[0])
+    text = log.read_text()
+    assert "'backend': 'torchtpu.integrations.vllm.compiler.TpuCompiler'" in text
+    assert "Compiling a graph for compile range" in text
 
 
 def test_server_prefix_cache_hit_matches_hf(server, hf):
@@ -230,17 +269,18 @@ OFFLINE = """
 import json, sys
 from vllm import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], max_model_len=256, max_num_seqs=4,
-          max_num_batched_tokens={chunk}, dtype="float32", block_size=16)
+          max_num_batched_tokens={chunk}, dtype="float32", block_size=16, enforce_eager={eager})
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens={n}))
 print("RESULT" + json.dumps([[o.prompt_token_ids, list(o.outputs[0].token_ids)] for o in outs]))
 """
 
 
 @pytest.mark.slow
-def test_offline_generate_matches_hf(model_dir, hf):
+@pytest.mark.parametrize("eager", [True, False], ids=["enforce_eager", "compiled"])
+def test_offline_generate_matches_hf(model_dir, hf, eager):
     import json
 
-    script = OFFLINE.format(chunk=CHUNK, n=MAX_NEW)
+    script = OFFLINE.format(chunk=CHUNK, n=MAX_NEW, eager=eager)
     env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, "-c", script, model_dir, json.dumps(PROMPTS)],
                           capture_output=True, text=True, env=env, timeout=SERVER_START_S)

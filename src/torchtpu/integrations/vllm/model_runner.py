@@ -4,15 +4,20 @@ The GPU runner builds its per-step inputs on the host and copies them to the dev
 (``CpuGpuBuffer``), which is what tpu wants too; what differs is the KV cache (one typed tensor
 per layer, laid out ``[num_blocks + 1, block_size, num_kv_heads, 2 * head_size]`` as
 :mod:`.attention` reads it, instead of byte views carved out of one int8 buffer) and the
-CUDA-only helpers (stream-ordered copies, Triton block zeroing).
+CUDA-only helpers (stream-ordered copies, Triton block zeroing). When the forward is compiled,
+each step's token count is padded up to a bucket (:func:`token_buckets`), as vLLM pads to its
+CUDA-graph sizes, so each piece of the forward has a bounded number of XLA programs.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from contextlib import contextmanager
 from functools import partial
 
 import torch
+from vllm.config import CompilationMode
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -33,6 +38,13 @@ def _tpu_as_cuda():
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The padded token counts a compiled forward runs at: 1, 2, 4, every 8 to 256, every 16 to
+    512 (vLLM's CUDA-graph capture sizes), every 256 beyond, and ``max_tokens`` itself."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, max_tokens, 256)]
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
 def kv_cache_shape(spec, num_blocks: int) -> tuple[int, int, int, int]:
@@ -73,6 +85,18 @@ class TpuModelRunner(GPUModelRunner):
         with _tpu_as_cuda():
             super().__init__(vllm_config, device)
         self.use_cuda_graph = False
+        compiled = (self.compilation_config.mode != CompilationMode.NONE
+                    and not self.model_config.enforce_eager)
+        # Each new token count is a new XLA program per piece: pad to a bucket to bound them.
+        self.token_buckets = token_buckets(self.max_num_tokens) if compiled else None
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, *args, **kwargs):
+        """vLLM's choice for this step, with the token count padded up to its bucket."""
+        mode, batch, *rest = super()._determine_batch_execution_and_padding(num_tokens, *args, **kwargs)
+        if self.token_buckets is not None and batch.num_tokens <= self.token_buckets[-1]:
+            padded = self.token_buckets[bisect.bisect_left(self.token_buckets, batch.num_tokens)]
+            batch = dataclasses.replace(batch, num_tokens=padded)
+        return (mode, batch, *rest)
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
                                     kv_cache_allocation_context=None) -> dict[str, torch.Tensor]:

@@ -4,6 +4,10 @@ No Triton, no CUDA graphs: fused layers (RMSNorm, rotary, SiLU-and-mul) dispatch
 ``forward_oot`` and then their ``forward_native`` bodies, which run as ordinary torch ops on
 tpu tensors. The one Triton kernel the model runner needs (the block table's slot mapping)
 is replaced by torch ops (:mod:`.kernels`); attention is :mod:`.attention`.
+
+Without ``--enforce-eager`` the forward is compiled in vLLM's ``VLLM_COMPILE`` mode: Dynamo
+traces it once, the graph is split at the attention ops (kept opaque, run eagerly), and each
+piece goes to :class:`.compiler.TpuCompiler`; the model runner pads the tokens to buckets.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND = "torchtpu.integrations.vllm.attention.TpuPagedAttentionBackend"
 WORKER_CLASS = "torchtpu.integrations.vllm.worker.TpuWorker"
+COMPILER_CLASS = "torchtpu.integrations.vllm.compiler.TpuCompiler"
+# vLLM's graph-fusion passes match CUDA kernels' custom ops (quantisation, all-reduce, AITER):
+# none exists on tpu, and configuring them imports CUDA-only modules.
+FUSION_PASSES = ("fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms", "fuse_attn_quant",
+                 "fuse_act_padding", "fuse_mla_dual_rms_norm", "fuse_rope_kvcache",
+                 "fuse_qk_norm_rope_kvcache", "enable_qk_norm_rope_fusion",
+                 "fuse_rope_kvcache_cat_mla")
 
 
 def host_backed(device_id: int = 0) -> bool:
@@ -116,7 +127,14 @@ class TpuPlatform(Platform):
 
     @classmethod
     def get_compile_backend(cls) -> str:
-        return "tpu"
+        return COMPILER_CLASS  # what VLLM_COMPILE hands each piece of the forward to
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Attention must stay one opaque op in the Dynamo graph: inlined (vLLM's default for
+        # out-of-tree platforms), it reads the step's metadata from the forward context while
+        # Dynamo traces, and vLLM keeps that one trace (no guards) for every later step.
+        return True
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
@@ -133,8 +151,6 @@ class TpuPlatform(Platform):
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         """Pick the tpu worker; turn off what needs CUDA (graphs, async scheduling, TP > 1)."""
-        from vllm.config import CompilationMode, CUDAGraphMode
-
         from torchtpu.integrations.vllm import check_vllm_version
 
         check_vllm_version()
@@ -148,17 +164,31 @@ class TpuPlatform(Platform):
             parallel.worker_cls = WORKER_CLASS
         # The GPU runner's async scheduling overlaps steps with CUDA streams and events.
         vllm_config.scheduler_config.async_scheduling = False
-        compilation = vllm_config.compilation_config
-        compilation.cudagraph_mode = CUDAGraphMode.NONE
-        compilation.cudagraph_capture_sizes = []
-        if compilation.mode != CompilationMode.NONE:
-            # Every compiled path tried gives tokens that differ from Hugging Face's: one trace
-            # of the forward with the tpu backend (6x faster), and vLLM's piecewise pipeline
-            # (attention and KV writes split out, run eagerly) with the tpu backend or with
-            # vLLM's own "eager" one. So the fault is upstream of the compiler (the Dynamo-traced
-            # forward on tpu, or the split-out ops called through torch.ops). Eager until found.
-            logger.warning("tpu: torch.compile of the model forward is not supported yet; "
-                           "running eagerly (as with --enforce-eager).")
-            compilation.mode = CompilationMode.NONE
+        cls._configure_compilation(vllm_config.compilation_config)
         if vllm_config.lora_config is not None:
             raise NotImplementedError("tpu: LoRA is not supported by torchtpu's vLLM platform yet.")
+
+    @classmethod
+    def _configure_compilation(cls, compilation) -> None:
+        """No CUDA graphs; VLLM_COMPILE's pieces go to the tpu backend; other modes refused."""
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        # The model runner pads each step's tokens to a bucket instead (see model_runner.py).
+        compilation.cudagraph_capture_sizes = []
+        for name in FUSION_PASSES:
+            setattr(compilation.pass_config, name, False)
+        if compilation.compile_sizes is None:
+            compilation.compile_sizes = []  # one piecewise program set for every bucket
+        if compilation.mode in (CompilationMode.STOCK_TORCH_COMPILE,
+                                CompilationMode.DYNAMO_TRACE_ONCE):
+            raise NotImplementedError(
+                f"tpu: compilation mode {compilation.mode.name} is not supported by torchtpu's "
+                "vLLM platform (the attention op cannot run inside one XLA program); use the "
+                "default VLLM_COMPILE mode, or --enforce-eager."
+            )
+        if compilation.mode == CompilationMode.VLLM_COMPILE and compilation.backend == "inductor":
+            raise NotImplementedError(
+                "tpu: Inductor cannot compile for tpu; leave the compilation backend unset "
+                "(torchtpu's tpu backend) or set it to 'eager'."
+            )
