@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,16 @@ def test_platform_is_tpu_with_real_memory_figures():
     assert current_platform.get_default_attention_backend() == "tpu"
     free, total = current_platform.get_available_memory()
     assert 0 < free <= total == torch.tpu.mem_get_info()[1]
+
+
+def test_deterministic_inference_and_seed_are_refused_with_the_reason(model_dir):
+    """SGLang honours `seed` only with --enable-deterministic-inference, whose kernels are Triton."""
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, enable_deterministic_inference=True)
+    with pytest.raises(NotImplementedError, match=r"--enable-deterministic-inference .*`seed`.* Triton"):
+        current_platform.apply_server_args_defaults(args)
 
 
 # ---------------------------------------------------------------- sglang.Engine
@@ -216,3 +227,64 @@ def test_server_sampling_params(server):
     assert sampled.usage.completion_tokens == MAX_NEW
     texts = {complete(server, prompt, max_tokens=MAX_NEW, temperature=2.0).choices[0].text for _ in range(3)}
     assert len(texts) > 1  # temperature is honoured: random weights give a flat distribution
+
+
+# ---------------------------------------------------------------- load and bad input
+
+WORDS = "clock river lantern baker winter orchard copper violin harbour meadow".split()
+CONCURRENT = 64
+
+
+def expected_text(hf, prompt: str, max_tokens: int) -> str:
+    """What greedy serving returns for ``prompt``: HF's tokens on CPU, cut at EOS, special tokens
+    (which random weights do generate) not printed."""
+    tokenizer, _ = hf
+    want = hf_greedy(hf, tokenizer(prompt).input_ids, n=max_tokens)
+    if tokenizer.eos_token_id in want:
+        want = want[:want.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_server_64_concurrent_greedy_requests_each_match_hf(server, hf):
+    """64 requests at once (mixed prompts and lengths): none dropped, each as if served alone."""
+    requests = [(f"The {WORDS[i % 10]} and the {WORDS[(i * 3 + 1) % 10]} " + "said " * (i % 7), 4 + i % 13)
+                for i in range(CONCURRENT)]
+
+    def send(request):
+        prompt, max_tokens = request
+        return complete(server, prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        served = list(pool.map(send, requests))
+    assert len(served) == CONCURRENT
+    for (prompt, max_tokens), text in zip(requests, served):
+        assert text == expected_text(hf, prompt, max_tokens), (prompt, max_tokens)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": "word " * 700}, r"longer than the model's context length \(512 tokens\)"),
+    ({"temperature": -1}, "temperature must be a non-negative"),
+    ({"top_p": 2}, r"top_p must be in \(0, 1\]"),
+])
+def test_server_rejects_bad_input_and_keeps_serving(server, hf, kwargs, message):
+    """An over-long prompt or a bad sampling parameter is SGLang's 400; the next request is served."""
+    request = {"prompt": PROMPTS[0], "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError, match=message):
+        server.completions.create(model="tiny-llama", **request)
+    text = complete(server, PROMPTS[0], max_tokens=MAX_NEW, temperature=0).choices[0].text
+    assert text == expected_text(hf, PROMPTS[0], MAX_NEW)
+
+
+def test_server_cancelled_stream_keeps_serving(server, hf):
+    """A client that closes a stream after two chunks leaves a server that still serves correctly."""
+    stream = complete(server, PROMPTS[1], max_tokens=400, temperature=0, stream=True,
+                      extra_body={"ignore_eos": True})
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk.choices[0].text)
+        if len(chunks) == 2:
+            break
+    stream.close()
+    assert len(chunks) == 2
+    text = complete(server, PROMPTS[0], max_tokens=MAX_NEW, temperature=0).choices[0].text
+    assert text == expected_text(hf, PROMPTS[0], MAX_NEW)

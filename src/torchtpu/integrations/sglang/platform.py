@@ -24,10 +24,29 @@ logger = logging.getLogger(__name__)
 # --max-total-tokens the pool gets this many tokens there.
 HOST_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
+# Server options that cannot work on tpu yet, and why: refused when the server starts rather
+# than failing deep inside SGLang (or, for the seed, being silently ignored).
+UNSUPPORTED_OPTIONS = {
+    "enable_deterministic_inference": (
+        "--enable-deterministic-inference (which is also what makes SGLang honour a request's "
+        "`seed`) is not supported on tpu: SGLang's seeded sampler hashes with a Triton kernel "
+        "(or sgl_kernel's CPU op) and its batch-invariant mode replaces matmuls with Triton "
+        "kernels; neither runs on tpu. Without it, `seed` is accepted and ignored, as on any "
+        "SGLang device without that flag."
+    ),
+}
+
 
 def _host_backed(device_id: int = 0) -> bool:
     """Whether the tpu device is XLA:CPU, whose memory is the host's."""
     return torch.tpu.get_device_name(device_id).startswith("XLA:CPU")
+
+
+def refuse_unsupported_options(server_args) -> None:
+    """Raise NotImplementedError naming the first option set that tpu cannot serve with."""
+    for option, reason in UNSUPPORTED_OPTIONS.items():
+        if getattr(server_args, option, False):
+            raise NotImplementedError(reason)
 
 
 class TpuSRTPlatform(SRTPlatform):
@@ -101,6 +120,7 @@ class TpuSRTPlatform(SRTPlatform):
 
     def apply_server_args_defaults(self, server_args) -> None:
         """Defaults SGLang's GPU rules would get wrong on tpu (graph capture, host memory)."""
+        refuse_unsupported_options(server_args)
         server_args.disable_cuda_graph = True
         # Overlap scheduling runs the scheduler on a second CUDA stream; XLA already dispatches
         # asynchronously, on one stream.
