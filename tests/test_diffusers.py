@@ -7,9 +7,10 @@ moves the noise to the pipeline's), so both runs denoise the same latents. Toler
 absolute on images in [0, 1] (measured differences are about 5e-7). The tpu runs have the CPU
 fallback off, so an op without a lowering fails instead of hiding on the host.
 
-Diffusers' tensor parallelism (``enable_parallelism`` with a ``TensorParallelConfig``, which
-shards the model's ``_tp_plan`` with DTensor) runs under ``torchrun`` with 2 processes on the
-``tpu_dist`` backend; the worker is ``tests/distributed/diffusers_tp.py`` (slow: about 50 s each).
+Diffusers' parallelism (``enable_parallelism`` with a ``TensorParallelConfig``, which shards the
+model's ``_tp_plan`` with DTensor, or a Ulysses ``ContextParallelConfig``) runs under ``torchrun``
+with 2 processes on the ``tpu_dist`` backend; the worker is ``tests/distributed/diffusers_tp.py``
+(slow: about 50 s each).
 """
 
 from __future__ import annotations
@@ -117,11 +118,14 @@ def test_tpu_generator_reproducible():
 # two processes importing torch, JAX and Diffusers cost about 50 s on 2 cores
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_tensor_parallel_under_torchrun_matches_cpu(compiled):
-    """A tiny Flux transformer sharded by Diffusers' own TP hooks over 2 tpu processes matches CPU.
+@pytest.mark.parametrize("parallelism", [(), ("--context", "ulysses")], ids=["tensor", "ulysses"])
+def test_parallelism_under_torchrun_matches_cpu(parallelism, compiled):
+    """A tiny Flux transformer parallelised by Diffusers' own hooks over 2 tpu processes matches CPU.
 
-    The worker scrambles rank 1's planned weights first: only the shards Diffusers scatters from
-    rank 0 over ``tpu_dist`` give CPU's predictions.
+    Tensor parallel: the worker scrambles rank 1's planned weights first, so only the shards
+    Diffusers scatters from rank 0 over ``tpu_dist`` give CPU's predictions. Ulysses context
+    parallel: each rank's blocks see half the sequence (all-to-all inside attention).
     """
-    code, out = torchrun("diffusers_tp.py", 2, *(["--compile"] if compiled else []), timeout=240)
+    args = (*parallelism, *(["--compile"] if compiled else []))
+    code, out = torchrun("diffusers_tp.py", 2, *args, timeout=300)
     assert code == 0 and "rank 0 parity ok" in out and "rank 1 parity ok" in out, out[-6000:]

@@ -1,13 +1,22 @@
-"""Run under torchrun: Diffusers' own tensor parallelism (``model.enable_parallelism`` with a
-``TensorParallelConfig``) on a tiny Flux transformer on tpu, against the same model on CPU.
+"""Run under torchrun: Diffusers' own parallelism hooks (``model.enable_parallelism``) on a tiny
+Flux transformer on tpu, against the same model in one process on CPU.
 
-    torchrun --standalone --nproc-per-node 2 tests/distributed/diffusers_tp.py [--compile]
+    torchrun --standalone --nproc-per-node 2 tests/distributed/diffusers_tp.py [--context ulysses] [--compile]
 
 Every rank builds the same seeded model and inputs, computes the reference in one process on CPU
-(no parallelism), then moves the model to ``tpu:LOCAL_RANK`` and lets Diffusers shard it along
-the model's ``_tp_plan`` (column-wise q/k/v and MLP-in, row-wise out projections, and the packed
-row-wise ``proj_out`` of the single-stream blocks) over a one-dimensional ``tp`` DeviceMesh. It
-then runs two flow-matching Euler steps with the sharded model and compares every step's
+(no parallelism), then moves the model to ``tpu:LOCAL_RANK`` and lets Diffusers parallelise it:
+
+* default, tensor parallel (``TensorParallelConfig``): Diffusers shards the model's ``_tp_plan``
+  (column-wise q/k/v and MLP-in, row-wise out projections, the packed row-wise ``proj_out`` of the
+  single-stream blocks) into DTensors over a one-dimensional ``tp`` DeviceMesh;
+* ``--context ulysses`` (``ContextParallelConfig(ulysses_degree=N)``): Diffusers' ``_cp_plan``
+  hooks split the sequence across ranks, attention exchanges heads for sequence with all-to-all,
+  and the output is all-gathered. (Ring attention is not run: Diffusers' ring needs an attention
+  backend that returns the log-sum-exp; its ``native`` backend raises "does not support
+  return_lse=True" on any device, and ``_native_flash`` calls ``aten._scaled_dot_product_flash_attention``,
+  a CUDA-only op that torchtpu does not lower.)
+
+It then runs two flow-matching Euler steps with the parallel model and compares every step's
 prediction with CPU's. Each rank prints "rank N parity ok" or exits non-zero with the differences.
 """
 
@@ -94,9 +103,28 @@ def check_sharded(model, world: int) -> None:
         assert local.device.type == "tpu" and local.shape[dim] * world == weight.shape[dim], local.shape
 
 
+def tensor_parallel(model, rank: int, world: int) -> None:
+    """Diffusers' TP over all ranks, from rank 0's weights only."""
+    scramble_planned_weights(model, rank)
+    model.enable_parallelism(config=TensorParallelConfig(tp_degree=world))
+    check_sharded(model, world)
+
+
+def ulysses_parallel(model, world: int) -> list[int]:
+    """Diffusers' Ulysses context parallelism; returns the image sequence lengths the first block sees."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    seen = []
+    model.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compile", action="store_true", help="torch.compile the sharded model (backend tpu)")
+    parser.add_argument("--context", choices=["ulysses"], help="context parallelism instead of tensor parallel")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the parallel model (backend tpu)")
     args = parser.parse_args()
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,16 +134,17 @@ def main() -> None:
     expected = denoise(tiny_flux(), feeds, "cpu")
 
     model = tiny_flux().to("tpu")
-    scramble_planned_weights(model, rank)
-    model.enable_parallelism(config=TensorParallelConfig(tp_degree=world))
-    check_sharded(model, world)
+    seen = ulysses_parallel(model, world) if args.context else tensor_parallel(model, rank, world)
     if args.compile:
         model = torch.compile(model, backend="tpu")
     before = compiled_calls()
     with torch.tpu.cpu_fallback_enabled(False):
         got = denoise(model, feeds, "tpu")
     if args.compile and compiled_calls() - before < STEPS:
-        raise SystemExit(f"rank {rank}: the sharded model did not run through the tpu torch.compile backend")
+        raise SystemExit(f"rank {rank}: the parallel model did not run through the tpu torch.compile backend")
+    # each rank's blocks must see its share of the image tokens, not all of them
+    if args.context and set(seen) != {feeds["hidden_states"].shape[1] // world}:
+        raise SystemExit(f"rank {rank}: the first block saw image sequence lengths {seen}, not a 1/{world} split")
 
     errors = [float((g - e).abs().max()) for g, e in zip(got, expected)]
     if max(errors) > ATOL:
