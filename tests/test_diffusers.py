@@ -10,7 +10,8 @@ fallback off, so an op without a lowering fails instead of hiding on the host.
 Diffusers' parallelism (``enable_parallelism`` with a ``TensorParallelConfig``, which shards the
 model's ``_tp_plan`` with DTensor, or a Ulysses ``ContextParallelConfig``) runs under ``torchrun``
 with 2 processes on the ``tpu_dist`` backend; the worker is ``tests/distributed/diffusers_tp.py``
-(slow: about 50 s each).
+(slow: about 50 s each). A sharded ``from_pretrained`` (TP applied while reading safetensors)
+needs Accelerate too.
 """
 
 from __future__ import annotations
@@ -128,4 +129,14 @@ def test_parallelism_under_torchrun_matches_cpu(parallelism, compiled):
     """
     args = (*parallelism, *(["--compile"] if compiled else []))
     code, out = torchrun("diffusers_tp.py", 2, *args, timeout=300)
+    assert code == 0 and "rank 0 parity ok" in out and "rank 1 parity ok" in out, out[-6000:]
+
+
+@pytest.mark.slow
+def test_sharded_from_pretrained_under_torchrun_matches_cpu(tmp_path):
+    """``from_pretrained(..., parallel_config=TensorParallelConfig(tp_degree=2))``: each of 2 tpu
+    processes reads only its slice of each planned weight from the saved safetensors file."""
+    # Diffusers initialises the model on the meta device for a sharded load only through Accelerate
+    pytest.importorskip("accelerate", reason="Diffusers' sharded from_pretrained needs accelerate (pip install accelerate)")
+    code, out = torchrun("diffusers_tp.py", 2, "--from-pretrained", str(tmp_path / "flux"), timeout=300)
     assert code == 0 and "rank 0 parity ok" in out and "rank 1 parity ok" in out, out[-6000:]

@@ -2,6 +2,7 @@
 Flux transformer on tpu, against the same model in one process on CPU.
 
     torchrun --standalone --nproc-per-node 2 tests/distributed/diffusers_tp.py [--context ulysses] [--compile]
+    torchrun --standalone --nproc-per-node 2 tests/distributed/diffusers_tp.py --from-pretrained DIR
 
 Every rank builds the same seeded model and inputs, computes the reference in one process on CPU
 (no parallelism), then moves the model to ``tpu:LOCAL_RANK`` and lets Diffusers parallelise it:
@@ -9,6 +10,9 @@ Every rank builds the same seeded model and inputs, computes the reference in on
 * default, tensor parallel (``TensorParallelConfig``): Diffusers shards the model's ``_tp_plan``
   (column-wise q/k/v and MLP-in, row-wise out projections, the packed row-wise ``proj_out`` of the
   single-stream blocks) into DTensors over a one-dimensional ``tp`` DeviceMesh;
+* ``--from-pretrained DIR``: the same plan applied while loading (``from_pretrained(DIR,
+  parallel_config=TensorParallelConfig(...))``): rank 0 saves the model, each rank reads only its
+  slice of each planned weight from the safetensors file, straight to its tpu device;
 * ``--context ulysses`` (``ContextParallelConfig(ulysses_degree=N)``): Diffusers' ``_cp_plan``
   hooks split the sequence across ranks, attention exchanges heads for sequence with all-to-all,
   and the output is all-gathered. (Ring attention is not run: Diffusers' ring needs an attention
@@ -110,6 +114,17 @@ def tensor_parallel(model, rank: int, world: int) -> None:
     check_sharded(model, world)
 
 
+def tensor_parallel_from_pretrained(directory: str, rank: int, world: int):
+    """Diffusers' sharded load: rank 0 saves the model; each rank reads only its slices onto tpu."""
+    if rank == 0:
+        tiny_flux().save_pretrained(directory)  # safetensors, which the sharded load requires
+    dist.barrier()
+    model = diffusers.FluxTransformer2DModel.from_pretrained(
+        directory, parallel_config=TensorParallelConfig(tp_degree=world)).eval()
+    check_sharded(model, world)
+    return model
+
+
 def ulysses_parallel(model, world: int) -> list[int]:
     """Diffusers' Ulysses context parallelism; returns the image sequence lengths the first block sees."""
     from diffusers.models._modeling_parallel import ContextParallelConfig
@@ -124,6 +139,7 @@ def ulysses_parallel(model, world: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", choices=["ulysses"], help="context parallelism instead of tensor parallel")
+    parser.add_argument("--from-pretrained", metavar="DIR", help="tensor parallel through a sharded load from DIR")
     parser.add_argument("--compile", action="store_true", help="torch.compile the parallel model (backend tpu)")
     args = parser.parse_args()
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=60))
@@ -133,8 +149,12 @@ def main() -> None:
     feeds = inputs()
     expected = denoise(tiny_flux(), feeds, "cpu")
 
-    model = tiny_flux().to("tpu")
-    seen = ulysses_parallel(model, world) if args.context else tensor_parallel(model, rank, world)
+    seen = None
+    if args.from_pretrained:
+        model = tensor_parallel_from_pretrained(args.from_pretrained, rank, world)
+    else:
+        model = tiny_flux().to("tpu")
+        seen = ulysses_parallel(model, world) if args.context else tensor_parallel(model, rank, world)
     if args.compile:
         model = torch.compile(model, backend="tpu")
     before = compiled_calls()
