@@ -48,19 +48,19 @@ def train_tokenizer(vocab_size: int):
     )
 
 
-def build_model(tokenizer, seed: int):
-    """A 2-layer, hidden-64 Llama with random weights (seeded), sized to the tokenizer."""
+def build_model(tokenizer, seed: int, hidden: int = 64, layers: int = 2, max_positions: int = 512):
+    """A Llama with random weights (seeded), sized to the tokenizer; 2 layers of width 64 by default."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention, as in the Llamas people serve
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -73,11 +73,12 @@ def build_model(tokenizer, seed: int):
     return LlamaForCausalLM(config).eval()
 
 
-def make_tiny_llama(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -> Path:
+def make_tiny_llama(out_dir: str | Path, vocab_size: int = 512, seed: int = 0, *, hidden: int = 64,
+                    layers: int = 2, max_positions: int = 512) -> Path:
     """Write the tiny model and its tokenizer to `out_dir`; return the directory."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(vocab_size)
-    model = build_model(tokenizer, seed)
+    model = build_model(tokenizer, seed, hidden, layers, max_positions)
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -89,8 +90,12 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=64, help="model width (the MLP is twice as wide)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--max-positions", type=int, default=512, help="the longest context the model takes")
     args = parser.parse_args()
-    print(make_tiny_llama(args.out_dir, args.vocab, args.seed))
+    print(make_tiny_llama(args.out_dir, args.vocab, args.seed, hidden=args.hidden, layers=args.layers,
+                          max_positions=args.max_positions))
 
 
 if __name__ == "__main__":
