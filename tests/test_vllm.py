@@ -203,8 +203,8 @@ def server(served):
     return served[0]
 
 
-def complete_ids(client, prompt: str, **kw):
-    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=MAX_NEW,
+def complete_ids(client, prompt: str, max_tokens: int = MAX_NEW, **kw):
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=max_tokens,
                                   extra_body={"return_token_ids": True}, **kw)
     return r.choices[0].prompt_token_ids, r.choices[0].token_ids, r
 
@@ -261,6 +261,61 @@ def test_server_chat_stream_stop_and_sampling(server, hf):
                   seed=123, extra_body={"top_k": 50})
     first = server.completions.create(**sample).choices[0].text
     assert server.completions.create(**sample).choices[0].text == first
+
+
+# ---------------------------------------------------------------- load and bad input
+
+LOAD_PROMPTS = [*PROMPTS, "Once the bell", "The river ran past the mill and", "She wound the key",
+                "Nobody in Lower Fenwick could remember a time when"]
+
+
+def test_server_64_concurrent_requests_none_dropped_or_corrupted(server, hf):
+    """64 at once against --max-num-seqs 4: they queue; each gets exactly its own greedy tokens."""
+    requests = [(LOAD_PROMPTS[i % len(LOAD_PROMPTS)], 2 + (7 * i) % (MAX_NEW - 1)) for i in range(64)]
+    patient = server.with_options(timeout=600)  # the last of 16 waves waits for the other 15
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: complete_ids(patient, r[0], max_tokens=r[1]), requests))
+    reference = {}  # greedy is prefix-stable: one HF run per prompt serves every max_tokens
+    for (prompt, n), (prompt_ids, ids, r) in zip(requests, results):
+        if prompt not in reference:
+            reference[prompt] = hf_greedy(hf, prompt_ids, MAX_NEW)
+        assert r.choices[0].finish_reason == "length" and ids == reference[prompt][:n], (prompt, n)
+
+
+def running_requests(client) -> float:
+    """Requests the engine holds (running + waiting), read from the server's Prometheus metrics."""
+    import re
+
+    import httpx
+
+    text = httpx.get(str(client.base_url).replace("/v1/", "/metrics"), timeout=30).text
+    counts = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    assert len(counts) == 2, text[:2000]  # both gauges are there: a zero is a real zero
+    return sum(float(v) for v in counts)
+
+
+def test_server_rejects_bad_requests_and_keeps_serving(server, hf):
+    """An over-long prompt and bad sampling parameters get HTTP 400; a stream closed after two
+    chunks is aborted; the server then still serves a greedy request exactly."""
+    too_long = " ".join(["clock"] * 400)  # > --max-model-len 256 tokens
+    with pytest.raises(openai.BadRequestError, match="maximum"):
+        server.completions.create(model="tiny", prompt=too_long, max_tokens=4)
+    for bad in ({"temperature": -1}, {"top_p": 2}):
+        with pytest.raises(openai.BadRequestError, match=next(iter(bad))):
+            server.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, **bad)
+
+    stream = server.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=200,
+                                       temperature=0, stream=True)
+    chunks = iter(stream)
+    assert next(chunks).choices and next(chunks).choices
+    stream.close()
+    deadline = time.monotonic() + 60
+    while running_requests(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running_requests(server) == 0  # the closed stream's request was aborted, not left to run
+
+    prompt_ids, ids, _ = complete_ids(server, PROMPTS[1])
+    assert ids == hf_greedy(hf, prompt_ids)
 
 
 # ---------------------------------------------------------------- offline LLM.generate
