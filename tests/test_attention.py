@@ -248,3 +248,74 @@ def test_sdpa_boolean_mask_matches_cpu_on_every_backend(backends):
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         got = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), v.to("tpu"), attn_mask=mask.to("tpu"))
     torch.testing.assert_close(got.cpu(), expected)
+
+
+# ---------------------------------------------------------------- CUDA's flash op, called directly
+FLASH = aten._scaled_dot_product_flash_attention.default
+FLASH_CASES = {  # name: (dtype, q heads, kv heads, causal, scale)
+    "float32": (torch.float32, 4, 4, False, None),
+    "float32_causal_gqa": (torch.float32, 4, 2, True, 0.3),
+    "bfloat16_causal": (torch.bfloat16, 4, 4, True, None),
+    "bfloat16_gqa": (torch.bfloat16, 4, 1, False, None),
+}
+
+
+def _math_attention(q, k, v, causal, scale):
+    """(output, logsumexp) by the softmax formula in float64 on CPU (CPU has no kernel for CUDA's op)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.usefixtures("no_fallback")
+@pytest.mark.parametrize("case", FLASH_CASES)
+def test_cuda_flash_op_matches_the_math(case):
+    """Output, logsumexp and gradients of ``_scaled_dot_product_flash_attention`` on tpu against the
+    float64 formula (gradients by CPU autograd through it) on the same (rounded) inputs."""
+    dtype, hq, hk, causal, scale = FLASH_CASES[case]
+    q, k, v = (_randn(2, h, 11, 8, seed=s).to(dtype) for s, h in ((1, hq), (2, hk), (3, hk)))
+    g = _randn(2, hq, 11, 8, seed=4).to(dtype)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _math_attention(*ref_in, causal, scale)
+    want_out.backward(g.double())
+    tpu_in = [t.to("tpu").requires_grad_() for t in (q, k, v)]
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, debug = FLASH(*tpu_in, 0.0, causal, scale=scale)
+    out.backward(g.to("tpu"))
+    assert "FlashAttentionBackward" in type(out.grad_fn).__name__
+    assert (out.dtype, lse.dtype, lse.shape, cum_q, cum_k, max_q, max_k) == (dtype, torch.float32, (2, hq, 11),
+                                                                            None, None, 11, 11)
+    assert (rng_state.shape, unused.shape, debug.shape, debug.dtype) == ((2,), (), (0,), dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=1e-5, rtol=1e-5)
+    for got, want in zip([out] + [t.grad for t in tpu_in], [want_out] + [t.grad for t in ref_in]):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu().double(), want.detach(), **tol)
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_cuda_flash_op_compiled():
+    """Under ``torch.compile(backend="tpu")`` the op traces through PyTorch's meta function and runs
+    (forward and backward) to the eager results."""
+    q, k, v = (_randn(1, 2, 9, 8, seed=s).bfloat16() for s in range(3))
+
+    def fn(q, k, v):
+        out, lse = FLASH(q, k, v, 0.0, True)[:2]
+        return out.float() * lse.exp()[..., None]
+
+    torch._dynamo.reset()
+    got = _sdpa_grads("tpu", torch.compile(fn, backend="tpu", fullgraph=True), q, k, v)
+    for a, b in zip(got, _sdpa_grads("tpu", fn, q, k, v)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dropout_p=0.1), "dropout_p > 0"), (dict(return_debug_mask=True), "return_debug_mask=True"),
+    (dict(is_causal=True, kv_length=5), "is_causal flag when seqlen_q != seqlen_k")])
+def test_cuda_flash_op_refuses_what_it_does_not_lower(kwargs, match):
+    kv_length = kwargs.pop("kv_length", 6)
+    q, k = torch.zeros(1, 2, 6, 4, device="tpu"), torch.zeros(1, 2, kv_length, 4, device="tpu")
+    with pytest.raises(NotImplementedError, match=match):
+        aten._scaled_dot_product_flash_attention(q, k, k, **kwargs)

@@ -133,6 +133,19 @@ def _fused_kernel():
     return fused
 
 
+def _flash_kernel():
+    """CUDA's flash op's eager kernel (``ops/attention.py`` lowers it): as the fused op's."""
+    functional = _array_kernel(aten._scaled_dot_product_flash_attention.default)
+
+    def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        out, lse, rng_state, unused, debug_mask = functional(query, key, value, dropout_p, is_causal,
+                                                             return_debug_mask, scale=scale)
+        return out, lse, None, None, query.shape[2], key.shape[2], rng_state, unused, debug_mask
+
+    flash.functional = functional
+    return flash
+
+
 def _fused_backward_kernel():
     """The fused backward's eager kernel: no bias gradient (None) unless asked for one."""
     functional = _array_kernel(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
@@ -149,6 +162,7 @@ def kernels() -> dict:
     """This module's PrivateUse1 kernels."""
     return {aten._scaled_dot_product_fused_attention_overrideable.default: _fused_kernel(),
             aten._scaled_dot_product_fused_attention_overrideable_backward.default: _fused_backward_kernel(),
+            aten._scaled_dot_product_flash_attention.default: _flash_kernel(),
             aten._fused_sdp_choice.default: _fused_sdp_choice}
 
 

@@ -15,6 +15,11 @@ Lowered here:
   unless ``sdpa_kernel`` asks for the math path (``eager/attention.py`` chooses). Its
   ``philox_seed`` output carries the dropout key to the backward.
 - ``_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): the same attention, no dropout.
+- ``_scaled_dot_product_flash_attention`` (+ ``_backward``): CUDA's flash op, which libraries call
+  directly for its logsumexp (Diffusers' ``_native_flash`` backend, its ring attention). The same
+  attention with CUDA's outputs (``rng_state``/``unused`` zeros shaped as PyTorch's meta function
+  returns them, an empty debug mask), no dropout; grouped-query K/V as CUDA's kernel takes them,
+  and float32 besides CUDA's fp16/bf16.
 
 fp32 inputs' dots follow ``torch.set_float32_matmul_precision`` (``dots=True``; ``precision.py``);
 bf16/fp16 inputs, computed in fp32, keep HIGHEST (the setting is about fp32).
@@ -367,6 +372,39 @@ def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp
                                      attn_mask=None, scale=None):
     _check_flash(query, key, value, dropout_p)
     return blockwise_attention_backward(grad_out, query, key, value, out, logsumexp, attn_mask, scale=scale,
+                                        causal=is_causal)[:3]
+
+
+def _check_cuda_flash(query, key, value, dropout_p, is_causal, return_debug_mask=False):
+    name = "_scaled_dot_product_flash_attention"
+    _check(query, key, value, name)
+    if is_causal and query.shape[2] != key.shape[2]:
+        # CUDA's kernel aligns a non-square causal mask to the bottom right, SDPA to the top left:
+        # PyTorch's SDPA refuses this case for flash with the same words
+        raise NotImplementedError(f"tpu: {name}: Flash attention does not support the is_causal flag when "
+                                  f"seqlen_q != seqlen_k. Got seqlen_q: {query.shape[2]} seqlen_k: {key.shape[2]}")
+    if dropout_p != 0:
+        raise NotImplementedError(f"tpu: {name} with dropout_p > 0 is not supported; call "
+                                  "F.scaled_dot_product_attention, whose fused op on tpu runs dropout")
+    if return_debug_mask:
+        raise NotImplementedError(f"tpu: {name} cannot return the attention mask (return_debug_mask=True)")
+
+
+@lowering(aten._scaled_dot_product_flash_attention.default, dots=True)
+def flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    _check_cuda_flash(query, key, value, dropout_p, is_causal, return_debug_mask)
+    out, lse = blockwise_attention(query, key, value, scale=scale, causal=is_causal)
+    # rng_state (2,) and unused () as PyTorch's meta function makes them: no dropout, so no seed
+    rng_state, unused = jnp.zeros((2,), jnp.uint64), jnp.zeros((), jnp.uint64)
+    return (out, lse.astype(jnp.float32), None, None, query.shape[2], key.shape[2], rng_state, unused,
+            jnp.zeros((0,), query.dtype))
+
+
+@lowering(aten._scaled_dot_product_flash_attention_backward.default, dots=True)
+def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                             dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    _check_cuda_flash(query, key, value, dropout_p, is_causal)
+    return blockwise_attention_backward(grad_out, query, key, value, out, logsumexp, scale=scale,
                                         causal=is_causal)[:3]
 
 
