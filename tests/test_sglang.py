@@ -77,6 +77,36 @@ def test_paged_attention_matches_per_request_sdpa():
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_padded_decode_batch_attends_like_the_unpadded_one():
+    """The compiled decode pads a batch to a capture size; the real requests' attention is unchanged."""
+    from types import SimpleNamespace
+
+    from torchtpu.integrations.sglang.graph_runner import pad_decode_batch
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, slots = 4, 2, 16, 100
+    seq_lens = torch.tensor([5, 17, 9])
+    req_to_token = torch.zeros(4, 32, dtype=torch.int64)  # row 0: SGLang's reserved padding row
+    req_to_token[1:] = torch.stack([torch.randperm(slots - 1)[:32] + 1 for _ in range(3)])
+    batch = SimpleNamespace(batch_size=3, input_ids=torch.tensor([7, 8, 9]), positions=seq_lens - 1,
+                            out_cache_loc=torch.tensor([11, 12, 13]), req_pool_indices=torch.tensor([1, 2, 3]),
+                            seq_lens=seq_lens, seq_lens_cpu=seq_lens, seq_lens_sum=int(seq_lens.sum()))
+    padded = pad_decode_batch(batch, 8)
+    assert padded.batch_size == 8 and batch.batch_size == 3  # a copy: SGLang's batch is untouched
+    assert padded.seq_lens_cpu.tolist() == [5, 17, 9] + [1] * 5 and padded.req_pool_indices[3:].eq(0).all()
+    assert padded.seq_lens_sum == int(padded.seq_lens.sum())
+    k_pool, v_pool = torch.randn(slots, kv_heads, dim).to("tpu"), torch.randn(slots, kv_heads, dim).to("tpu")
+    q = torch.randn(8, heads, dim).to("tpu")
+    rows = req_to_token.to("tpu")
+
+    def attend(b, n):
+        plan = plan_batch([1] * n, b.seq_lens_cpu.tolist(), rows.index_select(0, b.req_pool_indices.to("tpu")),
+                          32, torch.device("tpu"))
+        return paged_attention(q[:n], k_pool, v_pool, plan, 0.25).cpu()
+
+    torch.testing.assert_close(attend(padded, 8)[:3], attend(batch, 3))
+
+
 def test_version_outside_tested_range_is_refused():
     assert check_sglang_version() == sgl.__version__
     with pytest.raises(RuntimeError, match=r"supports sglang>=0.5.23,<0.5.24, but sglang 0.6.0 is installed"):
@@ -94,22 +124,27 @@ def test_platform_is_tpu_with_real_memory_figures():
     assert 0 < free <= total == torch.tpu.mem_get_info()[1]
 
 
-def test_deterministic_inference_and_seed_are_refused_with_the_reason(model_dir):
-    """SGLang honours `seed` only with --enable-deterministic-inference, whose kernels are Triton."""
+@pytest.mark.parametrize("option, message", [
+    # SGLang honours `seed` only with --enable-deterministic-inference, whose kernels are Triton.
+    ({"enable_deterministic_inference": True}, r"--enable-deterministic-inference .*`seed`.* Triton"),
+    ({"tp_size": 2}, r"--tp \(tensor parallelism\) is not supported on tpu yet"),
+])
+def test_unsupported_server_options_are_refused_with_the_reason(model_dir, option, message):
     from sglang.srt.platforms import current_platform
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_dir, enable_deterministic_inference=True)
-    with pytest.raises(NotImplementedError, match=r"--enable-deterministic-inference .*`seed`.* Triton"):
-        current_platform.apply_server_args_defaults(args)
+    with pytest.raises(NotImplementedError, match=message):
+        current_platform.apply_server_args_defaults(ServerArgs(model_path=model_dir, **option))
 
 
 # ---------------------------------------------------------------- sglang.Engine
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    llm = sgl.Engine(model_path=model_dir, dtype="float32", max_total_tokens=4096,
-                     chunked_prefill_size=CHUNK, log_level="error")
+    """The offline engine with decode compiled (the server below stays eager) and mixed batches:
+    the long prompt's second chunk is prefilled in one batch with the others' decode steps."""
+    llm = sgl.Engine(model_path=model_dir, dtype="float32", max_total_tokens=4096, chunked_prefill_size=CHUNK,
+                     log_level="error", enable_torch_compile=True, enable_mixed_chunk=True)
     try:
         yield llm
     finally:

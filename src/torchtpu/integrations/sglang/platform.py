@@ -1,9 +1,10 @@
 """``TpuSRTPlatform``: what SGLang asks of a device, answered for ``tpu``.
 
-No Triton, no CUDA graphs: SGLang then takes its torch-native allocator and request-to-token
-writers, and fused layers (RMSNorm, rotary, SiLU-and-mul) their ``forward_native`` bodies,
-which run as ordinary torch ops on tpu tensors. Attention is :mod:`.attention`; the KV pool
-is :mod:`.kv_pool`.
+No Triton: SGLang then takes its torch-native allocator and request-to-token writers, and fused
+layers (RMSNorm, rotary, SiLU-and-mul) their ``forward_native`` bodies, which run as ordinary
+torch ops on tpu tensors. Attention is :mod:`.attention`; the KV pool is :mod:`.kv_pool`; with
+``--enable-torch-compile`` decode runs through :mod:`.graph_runner` (compiled, padded to
+SGLang's capture sizes) instead of CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ logger = logging.getLogger(__name__)
 # --max-total-tokens the pool gets this many tokens there.
 HOST_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
-# Server options that cannot work on tpu yet, and why: refused when the server starts rather
-# than failing deep inside SGLang (or, for the seed, being silently ignored).
-UNSUPPORTED_OPTIONS = {
-    "enable_deterministic_inference": (
-        "--enable-deterministic-inference (which is also what makes SGLang honour a request's "
-        "`seed`) is not supported on tpu: SGLang's seeded sampler hashes with a Triton kernel "
-        "(or sgl_kernel's CPU op) and its batch-invariant mode replaces matmuls with Triton "
-        "kernels; neither runs on tpu. Without it, `seed` is accepted and ignored, as on any "
-        "SGLang device without that flag."
-    ),
-}
+# Server options that cannot work on tpu yet: (is it set?, why not). Refused when the server
+# starts rather than failing deep inside SGLang (or, for the seed, being silently ignored).
+UNSUPPORTED_OPTIONS = (
+    (lambda args: args.enable_deterministic_inference,
+     "--enable-deterministic-inference (which is also what makes SGLang honour a request's "
+     "`seed`) is not supported on tpu: SGLang's seeded sampler hashes with a Triton kernel "
+     "(or sgl_kernel's CPU op) and its batch-invariant mode replaces matmuls with Triton "
+     "kernels; neither runs on tpu. Without it, `seed` is accepted and ignored, as on any "
+     "SGLang device without that flag."),
+    (lambda args: args.tp_size > 1,
+     "--tp (tensor parallelism) is not supported on tpu yet: SGLang starts one process per "
+     "rank, and its all-reduces would need torchtpu's 'tpu' process group across those "
+     "processes (jax.distributed in each); the platform does not set that up. Use --tp 1."),
+)
 
 
 def _host_backed(device_id: int = 0) -> bool:
@@ -44,8 +48,8 @@ def _host_backed(device_id: int = 0) -> bool:
 
 def refuse_unsupported_options(server_args) -> None:
     """Raise NotImplementedError naming the first option set that tpu cannot serve with."""
-    for option, reason in UNSUPPORTED_OPTIONS.items():
-        if getattr(server_args, option, False):
+    for is_set, reason in UNSUPPORTED_OPTIONS:
+        if is_set(server_args):
             raise NotImplementedError(reason)
 
 
@@ -55,7 +59,9 @@ class TpuSRTPlatform(SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "tpu"
     device_type = "tpu"
-    capabilities = PlatformCapabilities()  # no Triton, no graph capture: the conservative answers
+    # No Triton. "Graph capture" is the decode graph runner, which SGLang builds only when CUDA
+    # graphs are on: apply_server_args_defaults turns them on exactly with --enable-torch-compile.
+    capabilities = PlatformCapabilities(graph_capture=True)
 
     # ---- device
     def get_device(self, device_id: int | None = None) -> str:
@@ -108,6 +114,11 @@ class TpuSRTPlatform(SRTPlatform):
 
         return TpuMHATokenToKVPool
 
+    def get_graph_runner_cls(self):
+        from torchtpu.integrations.sglang.graph_runner import TpuGraphRunner
+
+        return TpuGraphRunner
+
     def get_compile_backend(self, mode: str | None = None) -> str:
         return "tpu"
 
@@ -121,7 +132,8 @@ class TpuSRTPlatform(SRTPlatform):
     def apply_server_args_defaults(self, server_args) -> None:
         """Defaults SGLang's GPU rules would get wrong on tpu (graph capture, host memory)."""
         refuse_unsupported_options(server_args)
-        server_args.disable_cuda_graph = True
+        # The decode "graphs" are TpuGraphRunner's compiled programs: only with --enable-torch-compile.
+        server_args.disable_cuda_graph = server_args.disable_cuda_graph or not server_args.enable_torch_compile
         # Overlap scheduling runs the scheduler on a second CUDA stream; XLA already dispatches
         # asynchronously, on one stream.
         server_args.disable_overlap_schedule = True
