@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 from jax._src.array import ArrayImpl
@@ -40,6 +41,10 @@ _TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
 _PY_SCALARS = (bool, int, float, complex)
 _PLAIN_TENSOR = torch.Tensor
 _op_counts = metrics.ops  # metrics.count_op, inlined on the hot path
+# References an array held only by its storage has when counted in ``Kernel.run_inplace``: the
+# storage's attribute dict, the local and getrefcount's own argument (as in compile/executable.py).
+_SOLE_OWNER_REFS = 3
+_NOT_DONATABLE = object()  # cached for a key whose result is not the target's shape and dtype
 
 
 class _Dyn:
@@ -359,6 +364,7 @@ class Kernel:
         self.name = str(self.op)
         self.dots = lowering.dots  # its programs follow (and key on) the matmul precision setting
         self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes
+        self._donating = caches.LRU("eager_donating_kernels", "kernel_cache_size")  # in-place variants
 
     def compiled(self, key, device_index: int | None, setting: str | None = None):
         """The jitted program for a call's static ``key``; ``setting``: the matmul precision of an
@@ -369,7 +375,7 @@ class Kernel:
             fn = self._jitted[cache_key] = self._build(key, device_index, setting)
         return fn
 
-    def _build(self, key, device_index, setting):
+    def _build(self, key, device_index, setting, donate: bool = False):
         lowering, plat, what = self.lowering, platform.platform(), f"the lowering of {self.name}"
 
         if lowering.random:
@@ -386,10 +392,11 @@ class Kernel:
         run.__name__ = self.name.replace(".", "_")
         if not self.lowering.jit:
             return run
+        donated = (0,) if donate else ()
         if device_index is None:
-            return jax.jit(run)
+            return jax.jit(run, donate_argnums=donated)
         sharding = placement.sharding(device_index)
-        return jax.jit(run, out_shardings=sharding)
+        return jax.jit(run, out_shardings=sharding, donate_argnums=donated)
 
     def run(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
@@ -418,6 +425,41 @@ class Kernel:
     def __call__(self, *args, **kwargs):
         index, out = self.run(args, kwargs)
         return wrap_outputs(out, index, self.sig)
+
+    def run_inplace(self, args, kwargs):
+        """``run`` for an in-place variant, which writes the result into ``args[0]``: when that
+        tensor is its whole storage and nothing else holds the storage's array, the array is
+        donated, so XLA updates it in place instead of copying it (a write of a few rows into a
+        large buffer, e.g. a KV cache, then costs the rows, not the buffer)."""
+        lowering, target = self.lowering, args[0]
+        array = getattr(target.untyped_storage(), bridge.ATTR, None)
+        if (array.__class__ is not ArrayImpl or sys.getrefcount(array) > _SOLE_OWNER_REFS
+                or array.shape != target.shape or target.storage_offset()  # a view: its base is shared
+                or not lowering.jit or lowering.random or bridge.capturing or modes.deferring()):
+            return self.run(args, kwargs)
+        call = Call(self.sig, args, kwargs)
+        dyn = call.dyn
+        # args[0] must reach the program as the array itself (not a view's read), and only once.
+        if call.key[0][0] is not DYN or dyn[0] is not array or any(a is array for a in dyn[1:]):
+            return self.run(args, kwargs)
+        del array
+        setting = precision.setting() if self.dots else None
+        fn = self._donating.get((call.key, setting))
+        if fn is None:
+            fn = self._donating[(call.key, setting)] = self._build_donating(call.key, setting, dyn)
+        if fn is _NOT_DONATABLE:
+            return self.run(args, kwargs)
+        _op_counts[self.name] += 1
+        return call.device, modes.execute(self, fn, dyn, call.device)
+
+    def _build_donating(self, key, setting, dyn):
+        """The program donating its first argument, or _NOT_DONATABLE when the result could not
+        reuse it (another shape or dtype: the in-place op then fails, and must fail with the
+        target intact)."""
+        fn = self._build(key, None, setting, donate=True)
+        out = jax.eval_shape(fn, *dyn)
+        same = isinstance(out, jax.ShapeDtypeStruct) and out.shape == dyn[0].shape and out.dtype == dyn[0].dtype
+        return fn if same else _NOT_DONATABLE
 
 
 def _take_generator(slot, args, kwargs):
@@ -465,7 +507,7 @@ class InplaceKernel:
         self.functional = functional
 
     def __call__(self, self_tensor, *args, **kwargs):
-        _, out = self.functional.run((self_tensor, *args), kwargs)
+        _, out = self.functional.run_inplace((self_tensor, *args), kwargs)
         if out.dtype != TORCH_TO_JAX[self_tensor.dtype]:
             _check_cast(out.dtype, self_tensor.dtype, self.functional.name)
         bridge.write(self_tensor, out)
