@@ -134,7 +134,7 @@ def test_paged_attention_matches_sdpa():
     table = torch.tensor([[3, 7, 0], [1, 5, 9], [10, 2, 4]], dtype=torch.int32)
     keys = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
     values = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
-    cache = torch.zeros(num_blocks + 1, block, kv_heads, 2 * dim).to("tpu")
+    cache = torch.zeros((num_blocks + 1) * block, kv_heads, 2 * dim).to("tpu")
 
     def slots(r, positions):
         return [int(table[r, p // block]) * block + p % block for p in positions]
@@ -155,7 +155,7 @@ def test_paged_attention_matches_sdpa():
     rows, token_rows = query_layout(np.concatenate([[0], np.cumsum(q_lens)]), width)
     positions = (torch.tensor(seq_lens) - torch.tensor(q_lens))[:, None] + torch.arange(width)
     meta = TpuPagedAttentionMetadata(
-        num_actual_tokens=sum(q_lens), block_table=table.to("tpu"),
+        num_actual_tokens=sum(q_lens), block_size=block, block_table=table.to("tpu"),
         seq_lens=torch.tensor(seq_lens).to("tpu"), query_rows=torch.from_numpy(rows).to("tpu"),
         token_rows=torch.from_numpy(token_rows).to("tpu"), query_positions=positions.to("tpu"))
     got = paged_attention(q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()

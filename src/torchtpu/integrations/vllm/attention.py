@@ -1,10 +1,12 @@
 """Paged attention for vLLM on ``tpu``, written with plain torch ops (they run through torchtpu's op registry).
 
-Each layer's KV cache is one tensor ``[num_blocks + 1, block_size, num_kv_heads, 2 * head_size]``
-(keys then values in the last axis); the extra block is a scratch page that padded tokens
-(slot -1) are written to, so a write never needs a host-side filter. A step writes its new
-keys and values with one ``index_put_`` at (page, offset), then each request reads its
-pages with one ``index_select`` over its block-table row. Queries are regrouped per request
+Each layer's KV cache is one tensor of slots ``[(num_blocks + 1) * block_size, num_kv_heads,
+2 * head_size]`` (keys then values in the last axis; slot ``s`` is offset ``s % block_size`` of
+page ``s // block_size``); the extra page is a scratch page that padded tokens (slot -1) are
+written to, so a write never needs a host-side filter. A step writes its new keys and values
+with one ``index_copy_`` over the slots of the whole tensor (so the eager in-place write donates
+the cache and XLA updates it in place), then each request reads its pages with one
+``index_select`` over its block-table row. Queries are regrouped per request
 (``[requests, longest query, heads, head_size]``) and masked by position, so one program
 serves prefill, decode, chunked prefill and prefix-cache hits alike: a query at position
 ``p`` sees every cached key at positions ``<= p`` of its own request.
@@ -32,6 +34,7 @@ class TpuPagedAttentionMetadata:
     """What every layer of one step needs to find its queries' keys (shared across layers)."""
 
     num_actual_tokens: int
+    block_size: int  # tokens per page of the cache
     block_table: torch.Tensor  # [requests, pages read] page ids
     seq_lens: torch.Tensor  # [requests] tokens in each request's context, this step included
     query_rows: torch.Tensor  # [requests * longest query] the token each padded query row holds
@@ -70,6 +73,7 @@ class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentio
         positions = (seq_lens - query_lens)[:, None].long() + offsets[None, :]
         return TpuPagedAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
+            block_size=self.block_size,
             block_table=m.block_table_tensor[: m.num_reqs, :pages],
             seq_lens=seq_lens,
             query_rows=to_device(query_rows),
@@ -81,16 +85,13 @@ class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentio
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store each token's key and value at its slot; padded tokens (slot < 0) go to the scratch page."""
-    pages, block_size = kv_cache.shape[:2]
     n = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:n].long()
-    slots = torch.where(slots < 0, torch.full_like(slots, (pages - 1) * block_size), slots)
-    # index_put_ on the cache itself, not on a flattened view of it: a write through a view
-    # also rewrites the base, which doubles the cost (measured: 0.31 s against 0.14 s for a
-    # 256 MiB cache on XLA:CPU).
-    page = torch.div(slots, block_size, rounding_mode="floor")
-    kv_cache.index_put_((page, slots - page * block_size),
-                        torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype))
+    slots = torch.where(slots < 0, torch.full_like(slots, kv_cache.shape[0] - 1), slots)
+    # index_copy_ on the whole cache: the eager in-place op donates the cache's buffer, so a write
+    # costs its tokens (index_put_ over (page, offset) copied the whole cache: 45 ms per 64 MiB
+    # layer on XLA:CPU, benchmarks/vllm_kv_write.py).
+    kv_cache.index_copy_(0, slots, torch.cat([key[:n], value[:n]], dim=-1).to(kv_cache.dtype))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedAttentionMetadata,
@@ -98,10 +99,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedA
                     soft_cap: float | None) -> torch.Tensor:
     """Causal attention of packed queries [tokens, heads, d] over their requests' cached keys."""
     requests, pages = meta.block_table.shape
-    _, block_size, kv_heads, _ = kv_cache.shape
+    block_size, kv_heads = meta.block_size, kv_cache.shape[1]
     heads, width = query.shape[1], meta.query_positions.shape[1]
     q = query.index_select(0, meta.query_rows).view(requests, width, heads, head_size)
-    kv = kv_cache.index_select(0, meta.block_table.reshape(-1).long())
+    paged = kv_cache.view(-1, block_size, kv_heads, kv_cache.shape[-1])
+    kv = paged.index_select(0, meta.block_table.reshape(-1).long())
     kv = kv.view(requests, pages * block_size, kv_heads, -1)
     k, v = kv[..., :head_size], kv[..., head_size:]
     if heads != kv_heads:  # grouped-query attention: each kv head serves heads // kv_heads queries
@@ -194,4 +196,4 @@ class TpuPagedAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBNHC,)  # each layer's tensor is [blocks, tokens, heads, k|v]
+        return (KVCacheLayout.LBNHC,)  # each layer's tensor is [blocks x tokens, heads, k|v]

@@ -2,7 +2,7 @@
 
 The GPU runner builds its per-step inputs on the host and copies them to the device
 (``CpuGpuBuffer``), which is what tpu wants too; what differs is the KV cache (one typed tensor
-per layer, laid out ``[num_blocks + 1, block_size, num_kv_heads, 2 * head_size]`` as
+per layer, laid out ``[(num_blocks + 1) * block_size, num_kv_heads, 2 * head_size]`` as
 :mod:`.attention` reads it, instead of byte views carved out of one int8 buffer) and the
 CUDA-only helpers (stream-ordered copies, Triton block zeroing). When the forward is compiled,
 each step's token count is padded up to a bucket (:func:`token_buckets`), as vLLM pads to its
@@ -47,13 +47,14 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
-def kv_cache_shape(spec, num_blocks: int) -> tuple[int, int, int, int]:
-    """[num_blocks + 1, block_size, num_kv_heads, key size + value size] of one layer's cache.
+def kv_cache_shape(spec, num_blocks: int) -> tuple[int, int, int]:
+    """[(num_blocks + 1) * block_size, num_kv_heads, key size + value size] of one layer's cache.
 
-    The extra block is the scratch page that padded tokens are written to (see .attention).
+    Slots, not pages, lead: a step's write is one ``index_copy_`` on the whole tensor (see
+    .attention). The extra block is the scratch page that padded tokens are written to.
     """
     head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-    return (num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size + head_size_v)
+    return ((num_blocks + 1) * spec.block_size, spec.num_kv_heads, spec.head_size + head_size_v)
 
 
 def allocate_kv_caches(kv_cache_config, device: torch.device) -> dict[str, torch.Tensor]:
@@ -119,7 +120,9 @@ class TpuModelRunner(GPUModelRunner):
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         """Zero freshly allocated blocks, so stale values never meet a zero attention weight."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        block = self.cache_config.block_size
+        slots = (torch.tensor(block_ids, dtype=torch.long)[:, None] * block + torch.arange(block)).reshape(-1)
+        index = slots.to(self.device)
         seen = set()
         for cache in self.kv_caches:
             if id(cache) not in seen:

@@ -26,8 +26,8 @@ from torchtpu.integrations.vllm.platform import host_backed, memory_info
 
 logger = logging.getLogger(__name__)
 
-# Each step's cache write rewrites the whole layer cache in eager execution (no donation),
-# so a small cache is also a fast one on XLA:CPU.
+# XLA:CPU's memory is the host's, shared with every other process: a modest default. (A step's
+# cache write costs its tokens, not the cache: the eager in-place write donates the buffer.)
 HOST_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 
 
