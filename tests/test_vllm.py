@@ -31,6 +31,7 @@ from torchtpu.integrations.vllm import activate, check_vllm_version  # noqa: E40
 from torchtpu.integrations.vllm.attention import (  # noqa: E402
     TpuPagedAttentionMetadata,
     paged_attention,
+    power_of_two_at_least,
     query_layout,
     write_kv,
 )
@@ -96,6 +97,7 @@ def test_token_buckets_are_bounded_and_cover_every_count():
     assert len(buckets) < 100  # programs per piece of the forward, whatever the traffic
     assert all(b - a <= 256 for a, b in zip(buckets, buckets[1:]))
     assert token_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert [power_of_two_at_least(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]  # attention's
 
 
 @pytest.mark.parametrize("mode", ["STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE"])

@@ -53,6 +53,10 @@ def query_layout(query_start_loc: np.ndarray, width: int) -> tuple[np.ndarray, n
     return rows.reshape(-1), token_rows
 
 
+def power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentionMetadata]):
     """Builds :class:`TpuPagedAttentionMetadata` once per step from vLLM's common metadata."""
 
@@ -63,9 +67,12 @@ class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentio
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuPagedAttentionMetadata:
         m = common_attn_metadata
-        width = m.max_query_len
+        # Each new (longest query, pages read) pair is a new set of eager attention programs:
+        # powers of two bound them; the extra rows and pages are masked or discarded.
+        width = power_of_two_at_least(m.max_query_len)
         query_rows, token_rows = query_layout(m.query_start_loc_cpu.numpy(), width)
-        pages = -(-m.max_seq_len // self.block_size)
+        pages = min(power_of_two_at_least(-(-m.max_seq_len // self.block_size)),
+                    m.block_table_tensor.shape[1])
         to_device = lambda a: torch.from_numpy(a.astype(np.int64)).to(self.device)  # noqa: E731
         seq_lens = m.seq_lens[: m.num_reqs]
         query_lens = m.query_start_loc[1 : m.num_reqs + 1] - m.query_start_loc[: m.num_reqs]
