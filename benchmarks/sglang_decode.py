@@ -1,7 +1,7 @@
 """SGLang on tpu: decode step time eager vs compiled (``--enable-torch-compile``), and how many
 programs the compiled decode needs for batch sizes 1..32.
 
-    /tmp/sglangenv/bin/python benchmarks/sglang_decode.py [--rounds 3] [--steps 32]
+    /tmp/sglangenv/bin/python benchmarks/sglang_decode.py [--rounds 5] [--steps 64]
 
 Each mode runs ``sglang.Engine`` on the tiny Llama (``tools/make_tiny_llama.py``) in a child
 process (its scheduler's log is where the compiled runner reports its programs):
@@ -48,8 +48,10 @@ def child(compiled: bool, rounds: int, steps: int, model_dir: str) -> None:
     """One mode: warm every batch size, then time decode steps; prints one JSON line."""
     import sglang as sgl
 
+    # No radix cache: a repeated prompt would prefill a different (cached) shape in every round,
+    # and its first eager compile would land in the timings.
     llm = sgl.Engine(model_path=model_dir, dtype="float32", max_total_tokens=8192, log_level="info",
-                     enable_torch_compile=compiled, torch_compile_max_bs=32)
+                     enable_torch_compile=compiled, torch_compile_max_bs=32, disable_radix_cache=True)
     try:
         start = time.perf_counter()
         for n in range(1, 33):
@@ -82,8 +84,8 @@ def run_mode(compiled: bool, args, model_dir: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--child", choices=("eager", "compiled"))
     parser.add_argument("--model-dir")
     args = parser.parse_args()
