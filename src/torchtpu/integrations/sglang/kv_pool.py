@@ -4,8 +4,11 @@ SGLang's ``MHATokenToKVPool`` keeps, per layer, a K and a V buffer of shape
 ``[slots, kv_heads, head_dim]`` (slot 0's page absorbs padded writes); a request's tokens
 live in whatever slots the allocator gave them, listed in ``req_to_token``. Its writer
 launches CUDA/XPU kernels or copies through raw data pointers; here a write is one
-``index_put_`` per buffer and the pointer tables are not built, so the pool runs through
-torchtpu's op registry like any other tensor code.
+``index_copy_`` per buffer and the pointer tables are not built, so the pool runs through
+torchtpu's op registry like any other tensor code. ``index_copy_`` on the whole buffer (not
+``index_put_``, not a view) because torchtpu's eager in-place write then donates the buffer:
+XLA writes the new slots in place, and a write costs its tokens, not the pool (20 MiB buffer,
+16 tokens: 0.08 ms against 11.8 ms for ``index_put_``, which copies the buffer).
 """
 
 from __future__ import annotations
@@ -36,5 +39,6 @@ class TpuMHATokenToKVPool(MHATokenToKVPool):
 
     def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor,
                         cache_v: torch.Tensor):
-        self.k_buffer[layer_idx].index_put_((loc,), cache_k.view(-1, *self.k_buffer[layer_idx].shape[1:]))
-        self.v_buffer[layer_idx].index_put_((loc,), cache_v.view(-1, *self.v_buffer[layer_idx].shape[1:]))
+        k, v = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
+        k.index_copy_(0, loc, cache_k.view(-1, *k.shape[1:]))
+        v.index_copy_(0, loc, cache_v.view(-1, *v.shape[1:]))
