@@ -8,8 +8,9 @@ client keeps ``concurrency`` requests in flight (1, 16, 32) and streams every re
 measured in one run:
 
 - ``sglang tpu``: ``python -m sglang.launch_server`` on ``tpu`` (torchtpu's SGLang platform),
-  queried over HTTP with the ``openai`` client;
-- ``vllm tpu``: ``vllm serve`` on ``tpu`` (torchtpu's vLLM platform), the same client;
+  decode compiled (``--enable-torch-compile``), queried over HTTP with the ``openai`` client;
+- ``vllm tpu``: ``vllm serve`` on ``tpu`` (torchtpu's vLLM platform; its forward compiled, as
+  vLLM does by default), the same client;
 - ``hf tpu (naive)``: Hugging Face ``generate`` on ``tpu`` in this process, serving one request
   at a time in arrival order (no batching: what a server written around ``generate`` does);
 - ``hf cpu (naive)``: the same on the CPU.
@@ -26,7 +27,7 @@ served by each engine with its prefix cache on and off (``--disable-radix-cache`
 ``--no-enable-prefix-caching``), to show the cache's effect on time to first token.
 
     python benchmarks/serving.py [--engines sglang vllm hf-tpu hf-cpu] [--concurrency 1 16 32]
-        [--requests 64] [--prefix 512] [--sglang-python PY] [--vllm-python PY]
+        [--requests 64] [--prefix 512 [--prefix-only]] [--sglang-python PY] [--vllm-python PY]
 
 SGLang and vLLM usually live in their own venvs (``tools/sglang_env.sh``, ``tools/vllm_env.sh``):
 ``--sglang-python`` and ``--vllm-python`` name their interpreters; an engine that is not
@@ -241,7 +242,7 @@ def engine_command(engine: str, python: str, model_dir: Path, port: int, max_len
         cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--port", str(port),
                "--served-model-name", "m", "--dtype", "float32", "--context-length", str(max_len),
                "--max-running-requests", str(concurrency), "--max-total-tokens", str(concurrency * max_len),
-               "--log-level", "error"]
+               "--enable-torch-compile", "--torch-compile-max-bs", str(concurrency), "--log-level", "error"]
         return cmd + ([] if prefix_cache else ["--disable-radix-cache"])
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--port", str(port),
            "--served-model-name", "m", "--dtype", "float32", "--max-model-len", str(max_len),
@@ -294,6 +295,7 @@ def main() -> int:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32])
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prefix", type=int, default=0, help="also run with a shared system prompt of this many tokens")
+    p.add_argument("--prefix-only", action="store_true", help="with --prefix: only the prefix-cache table")
     p.add_argument("--sglang-python", default=sys.executable)
     p.add_argument("--vllm-python", default=sys.executable)
     args = p.parse_args()
@@ -316,7 +318,7 @@ def main() -> int:
 
     rows: dict[tuple[str, int], dict[str, float]] = {}
     top = max(args.concurrency)
-    for engine in args.engines:
+    for engine in args.engines if not (args.prefix and args.prefix_only) else []:
         if engine.startswith("hf-"):
             device = engine.split("-")[1]
             if device == "tpu":
@@ -338,7 +340,8 @@ def main() -> int:
             for conc in args.concurrency:
                 rows[f"{engine} tpu", conc] = timed(serve, work, conc)
                 print(f"  {engine} tpu at {conc}: {rows[f'{engine} tpu', conc]['tok/s']:.1f} tok/s", flush=True)
-    print_table("Serving, greedy, output tokens/s and latency", rows, BASELINE)
+    if rows:
+        print_table("Serving, greedy, output tokens/s and latency", rows, BASELINE)
 
     if args.prefix:
         prefixed = Workload.draw(args.requests, len(tokenizer), first_id, args.prefix)
