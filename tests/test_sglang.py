@@ -109,6 +109,43 @@ def test_padded_decode_batch_attends_like_the_unpadded_one():
     torch.testing.assert_close(attend(padded, 8)[:3], attend(batch, 3))
 
 
+def test_host_free_list_allocates_like_sglangs_allocator():
+    """The host free list hands out the same slots as SGLang's device one, on the device, and
+    compiles nothing while doing it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from torchtpu import metrics
+    from torchtpu.integrations.sglang.allocator import HostTokenAllocator, host_free_list
+
+    def make(device):
+        return TokenToKVPoolAllocator(64, torch.float32, device, kvcache=None, need_sort=False)
+
+    ref, runner = make("cpu"), SimpleNamespace(token_to_kv_pool_allocator=make("tpu"))
+    host_free_list(runner)
+    ours = runner.token_to_kv_pool_allocator
+    assert isinstance(ours, HostTokenAllocator) and ours.free_pages.device.type == "cpu"
+    def programs_built():
+        built = metrics.snapshot()["eager_compiles"]
+        return built["compilations"] + built["persistent_hits"]
+
+    before = programs_built()
+    for n, freed in [(5, slice(1, 4)), (9, slice(0, 9)), (3, None), (40, slice(10, 30))]:
+        a, b = ref.alloc(n), ours.alloc(n)
+        assert b.device.type == "tpu" and b.cpu().tolist() == a.tolist()
+        if freed is not None:
+            ref.free(a[freed])
+            ours.free(torch.tensor(a[freed].tolist(), device="tpu"))  # a device tensor, as SGLang frees
+    ref.free_group_begin(), ours.free_group_begin()
+    ref.free(torch.tensor([60, 61])), ours.free(torch.tensor([60, 61], device="tpu"))
+    ref.free_group_end(), ours.free_group_end()
+    assert ours.available_size() == ref.available_size()
+    assert ours.alloc(ref.available_size() + 1) is None
+    assert ours.alloc(ref.available_size()).cpu().tolist() == ref.alloc(ref.available_size()).tolist()
+    assert programs_built() == before
+
+
 def test_version_outside_tested_range_is_refused():
     assert check_sglang_version() == sgl.__version__
     with pytest.raises(RuntimeError, match=r"supports sglang>=0.5.23,<0.5.24, but sglang 0.6.0 is installed"):

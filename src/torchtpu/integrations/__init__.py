@@ -33,6 +33,27 @@ def check_version(package: str, tested: tuple, installed: str | None = None) -> 
     return installed
 
 
+# Eager kernels a server keeps per op (see ``serving_process_defaults``).
+SERVER_KERNEL_CACHE_SIZE = 8192
+
+
+def serving_process_defaults() -> None:
+    """Settings for an engine's model process, where the user has not set them.
+
+    A server runs its scheduler's bookkeeping (a batch filtered from 32 requests to 27, a
+    sampling-parameter column gathered, a prompt's slots written) as eager ops whose shapes
+    follow every batch composition, so one op meets thousands of shapes over a run. Each is
+    compiled once; with the default 1024 programs per op the hot ones are evicted and compiled
+    again (measured, SGLang at concurrency 32: 355 to 553 tok/s from pass to pass with 1024,
+    582 steady with a higher limit). Servers keep ``SERVER_KERNEL_CACHE_SIZE`` programs per op
+    unless ``TORCHTPU_KERNEL_CACHE_SIZE`` is set.
+    """
+    from torchtpu.config import config
+
+    if "TORCHTPU_KERNEL_CACHE_SIZE" not in os.environ and 0 < config.kernel_cache_size < SERVER_KERNEL_CACHE_SIZE:
+        config.kernel_cache_size = SERVER_KERNEL_CACHE_SIZE
+
+
 def serving_on_tpu(variable: str) -> bool:
     """Whether an engine's process should serve on tpu: asked for by name in ``variable``
     (``SGLANG_PLATFORM=tpu``), or, unset, tpu is the accelerator and CUDA is absent (auto-selection

@@ -46,8 +46,15 @@ def register() -> None:
         return
 
     def create(model_runner):
+        from torchtpu.integrations import serving_process_defaults
+        from torchtpu.integrations.sglang.allocator import host_free_list
         from torchtpu.integrations.sglang.attention import TpuAttnBackend
 
+        # The backend is built in the model process once its pools exist and before the
+        # scheduler allocates from them: the moment to move the free list to the host (SGLang
+        # has no allocator hook for page size 1) and to set the process's serving defaults.
+        serving_process_defaults()
+        host_free_list(model_runner)
         return TpuAttnBackend(model_runner)
 
     ATTENTION_BACKENDS[BACKEND_NAME] = create
