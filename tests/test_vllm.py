@@ -29,10 +29,9 @@ transformers = pytest.importorskip("transformers", reason=REASON)
 
 from torchtpu.integrations.vllm import activate, check_vllm_version  # noqa: E402
 from torchtpu.integrations.vllm.attention import (  # noqa: E402
-    TpuPagedAttentionMetadata,
     paged_attention,
+    plan_step,
     power_of_two_at_least,
-    query_layout,
     write_kv,
 )
 from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E402
@@ -89,6 +88,32 @@ def test_slot_mapping_matches_python_reference():
     compute_slot_mapping(n, padded, qsl.to("tpu"), positions.to("tpu"), table.to("tpu"), stride,
                          slots, block)
     assert slots.cpu().tolist() == expect + [-1] * 3 + [7, 7]
+
+
+def test_slot_mapping_is_one_program_for_every_token_count():
+    """The runner passes slices of its persistent buffers; every step reuses one program."""
+    from torchtpu import metrics
+
+    def programs_built():
+        built = metrics.snapshot()["eager_compiles"]
+        return built["compilations"] + built["persistent_hits"]
+
+    block, stride, max_tokens = 4, 8, 32
+    table = torch.arange(4 * stride, dtype=torch.int32).view(4, stride).to("tpu")
+    qsl_buffer, pos_buffer = torch.zeros(5, dtype=torch.int32), torch.zeros(max_tokens, dtype=torch.int64)
+    slots = torch.zeros(max_tokens, dtype=torch.int64, device="tpu")
+    built = []
+    for q_lens in ([3], [5, 1], [2, 2, 9], [1, 1, 1, 1], [7, 4]):
+        n = sum(q_lens)
+        qsl_buffer[: len(q_lens) + 1] = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]))
+        qsl_buffer[len(q_lens) + 1:] = n  # as vLLM's runner pads it
+        pos_buffer[:n] = torch.cat([torch.arange(q) for q in q_lens])
+        qsl, pos = qsl_buffer.to("tpu"), pos_buffer.to("tpu")
+        compute_slot_mapping(n, max_tokens, qsl[: len(q_lens) + 1], pos[:n], table, stride, slots, block)
+        expect = [int(table[r, p // block]) * block + p % block for r, q in enumerate(q_lens) for p in range(q)]
+        assert slots.cpu().tolist() == expect + [-1] * (max_tokens - n)
+        built.append(programs_built())
+    assert built[1:] == built[:1] * 4, built  # the first step built every program the others ran
 
 
 def test_token_buckets_are_bounded_and_cover_every_count():
@@ -153,14 +178,14 @@ def test_paged_attention_matches_sdpa():
     write_kv(cache, k_new.to("tpu"), v_new.to("tpu"), torch.tensor(step_slots).to("tpu"))
 
     q = torch.randn(sum(q_lens), heads, dim, generator=gen)
-    width = max(q_lens)
-    rows, token_rows = query_layout(np.concatenate([[0], np.cumsum(q_lens)]), width)
-    positions = (torch.tensor(seq_lens) - torch.tensor(q_lens))[:, None] + torch.arange(width)
-    meta = TpuPagedAttentionMetadata(
-        num_actual_tokens=sum(q_lens), block_size=block, block_table=table.to("tpu"),
-        seq_lens=torch.tensor(seq_lens).to("tpu"), query_rows=torch.from_numpy(rows).to("tpu"),
-        token_rows=torch.from_numpy(token_rows).to("tpu"), query_positions=positions.to("tpu"))
-    got = paged_attention(q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()
+    # Planned as the builder plans a step: 3 requests padded to 4, and one padded token.
+    meta = plan_step(np.concatenate([[0], np.cumsum(q_lens)]), np.array(seq_lens), table.to("tpu"), block,
+                     max(seq_lens), sum(q_lens) + 1, torch.device("tpu"))
+    assert meta.block_table.shape == (4, 3) and meta.mask.shape == (4, 1, 8, 12)
+    padded_q = torch.cat([q, torch.full((1, heads, dim), 5.0)])
+    got = paged_attention(padded_q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()
+    assert got.shape[0] == sum(q_lens) + 1
+    got = got[: sum(q_lens)]
     want = reference_attention(q, keys, values, q_lens, seq_lens, dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

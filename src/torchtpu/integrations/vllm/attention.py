@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -36,10 +37,10 @@ class TpuPagedAttentionMetadata:
     num_actual_tokens: int
     block_size: int  # tokens per page of the cache
     block_table: torch.Tensor  # [requests, pages read] page ids
-    seq_lens: torch.Tensor  # [requests] tokens in each request's context, this step included
     query_rows: torch.Tensor  # [requests * longest query] the token each padded query row holds
-    token_rows: torch.Tensor  # [tokens] the padded query row each token lands in
+    token_rows: torch.Tensor  # [padded tokens] the padded query row each token lands in (0 for padding)
     query_positions: torch.Tensor  # [requests, longest query] position of each padded query row
+    mask: torch.Tensor  # [requests, 1, longest query, keys read] whether a query row sees a key
 
 
 def query_layout(query_start_loc: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,36 +58,59 @@ def power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def plan_step(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: torch.Tensor,
+              block_size: int, max_seq_len: int, tokens: int, device) -> TpuPagedAttentionMetadata:
+    """The padded attention problem of one step, planned on the host.
+
+    ``query_start_loc`` and ``seq_lens`` are the host's per-request figures, ``block_table`` the
+    requests' rows of page ids (on the device), ``tokens`` the step's padded token count. Each
+    new (requests, longest query, pages read, tokens) is a new set of eager attention programs:
+    requests, query width and pages are rounded up to powers of two and the tokens are the
+    step's padded count, which bounds them. Padded requests read the page ids of row zeros and
+    see one key; padded rows are discarded.
+    """
+    num_reqs = len(seq_lens)
+    query_lens = np.diff(query_start_loc)
+    requests, width = power_of_two_at_least(num_reqs), power_of_two_at_least(int(query_lens.max()))
+    query_rows, token_rows = query_layout(query_start_loc, width)
+    query_rows = np.pad(query_rows, (0, (requests - num_reqs) * width))
+    token_rows = np.pad(token_rows, (0, tokens - len(token_rows)))
+    pages = min(power_of_two_at_least(-(-max_seq_len // block_size)), block_table.shape[1])
+    positions = np.zeros((requests, width), dtype=np.int64)
+    positions[:num_reqs] = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
+    padded_seq_lens = np.pad(seq_lens, (0, requests - num_reqs), constant_values=1)
+    # Causal within the request, nothing past its length; a padded request sees key 0 only.
+    key_pos = np.arange(pages * block_size)
+    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < padded_seq_lens[:, None, None])
+    to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return TpuPagedAttentionMetadata(
+        num_actual_tokens=int(query_start_loc[-1]),
+        block_size=block_size,
+        block_table=F.pad(block_table[:num_reqs, :pages], (0, 0, 0, requests - num_reqs)),
+        query_rows=to_device(query_rows.astype(np.int64)),
+        token_rows=to_device(token_rows.astype(np.int64)),
+        query_positions=to_device(positions),
+        mask=to_device(mask[:, None]),
+    )
+
+
 class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentionMetadata]):
     """Builds :class:`TpuPagedAttentionMetadata` once per step from vLLM's common metadata."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.speculative = vllm_config.speculative_config is not None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuPagedAttentionMetadata:
         m = common_attn_metadata
-        # Each new (longest query, pages read) pair is a new set of eager attention programs:
-        # powers of two bound them; the extra rows and pages are masked or discarded.
-        width = power_of_two_at_least(m.max_query_len)
-        query_rows, token_rows = query_layout(m.query_start_loc_cpu.numpy(), width)
-        pages = min(power_of_two_at_least(-(-m.max_seq_len // self.block_size)),
-                    m.block_table_tensor.shape[1])
-        to_device = lambda a: torch.from_numpy(a.astype(np.int64)).to(self.device)  # noqa: E731
-        seq_lens = m.seq_lens[: m.num_reqs]
-        query_lens = m.query_start_loc[1 : m.num_reqs + 1] - m.query_start_loc[: m.num_reqs]
-        offsets = torch.arange(width, device=self.device)
-        positions = (seq_lens - query_lens)[:, None].long() + offsets[None, :]
-        return TpuPagedAttentionMetadata(
-            num_actual_tokens=m.num_actual_tokens,
-            block_size=self.block_size,
-            block_table=m.block_table_tensor[: m.num_reqs, :pages],
-            seq_lens=seq_lens,
-            query_rows=to_device(query_rows),
-            token_rows=to_device(token_rows),
-            query_positions=positions,
-        )
+        # The host's sequence lengths are exact unless drafts are speculated (then read the device's).
+        exact_on_host = m.seq_lens_cpu_upper_bound is not None and not self.speculative
+        seq_lens = (m.seq_lens_cpu_upper_bound if exact_on_host else m.seq_lens.cpu())[: m.num_reqs]
+        return plan_step(m.query_start_loc_cpu.numpy()[: m.num_reqs + 1], seq_lens.numpy().astype(np.int64),
+                         m.block_table_tensor, self.block_size, m.max_seq_len,
+                         max(m.slot_mapping.shape[0], m.num_actual_tokens), self.device)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,20 +137,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedA
     kv = paged.index_select(0, meta.block_table.reshape(-1).long())
     kv = kv.view(requests, pages * block_size, kv_heads, -1)
     k, v = kv[..., :head_size], kv[..., head_size:]
-    if heads != kv_heads:  # grouped-query attention: each kv head serves heads // kv_heads queries
-        k = k.repeat_interleave(heads // kv_heads, dim=2)
-        v = v.repeat_interleave(heads // kv_heads, dim=2)
-    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).float() * scale
-    if soft_cap:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    key_pos = torch.arange(pages * block_size, device=query.device)
-    q_pos = meta.query_positions[:, :, None]
-    visible = (key_pos[None, None, :] <= q_pos) & (key_pos[None, None, :] < meta.seq_lens[:, None, None])
+    visible = meta.mask  # [requests, 1, width, keys], built on the host once per step
     if sliding_window is not None:
-        visible = visible & (key_pos[None, None, :] > q_pos - sliding_window)
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [requests, heads, width, d_v]
+        key_pos = torch.arange(pages * block_size, device=query.device)
+        visible = visible & (key_pos[None, None, :] > meta.query_positions[:, :, None] - sliding_window)[:, None]
+    if not soft_cap:  # one fused attention op: no transposed copies, no score tensor in between
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=visible, scale=scale, enable_gqa=heads != kv_heads)
+    else:
+        if heads != kv_heads:  # grouped-query attention: each kv head serves heads // kv_heads queries
+            k = k.repeat_interleave(heads // kv_heads, dim=2)
+            v = v.repeat_interleave(heads // kv_heads, dim=2)
+        scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).float() * scale
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [requests, heads, width, d_v]
     out = out.transpose(1, 2).reshape(requests * width, heads, -1)
     return out.index_select(0, meta.token_rows)
 
@@ -163,10 +189,15 @@ class TpuPagedAttentionImpl(AttentionImpl[TpuPagedAttentionMetadata]):
                                       "torchtpu's vLLM attention backend.")
         if attn_metadata is None:  # profiling run: no cache bound yet
             return output.fill_(0)
-        n = attn_metadata.num_actual_tokens
-        out = paged_attention(query[:n], kv_cache, attn_metadata, self.scale, self.head_size,
+        rows = attn_metadata.token_rows.shape[0]
+        if rows == query.shape[0] == output.shape[0]:  # the step's padded tokens: whole tensors
+            out = paged_attention(query, kv_cache, attn_metadata, self.scale, self.head_size,
+                                  self.sliding_window, self.logits_soft_cap)
+            output.copy_(out.reshape(output.shape))
+            return output
+        out = paged_attention(query[:rows], kv_cache, attn_metadata, self.scale, self.head_size,
                               self.sliding_window, self.logits_soft_cap)
-        output[:n].copy_(out.reshape(output[:n].shape))
+        output[:rows].copy_(out.reshape(output[:rows].shape))
         return output
 
 

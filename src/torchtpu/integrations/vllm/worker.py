@@ -21,6 +21,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 from vllm.v1.worker.workspace import init_workspace_manager
 
+from torchtpu.integrations import serving_process_defaults
 from torchtpu.integrations.vllm.model_runner import TpuModelRunner
 from torchtpu.integrations.vllm.platform import host_backed, memory_info
 
@@ -38,6 +39,7 @@ class TpuWorker(Worker):
         """Bind tpu:local_rank, set up vLLM's (single-process) groups, build the model runner."""
         self.device = torch.device(f"tpu:{self.local_rank}")
         torch.tpu.set_device(self.device)
+        serving_process_defaults()
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank,
