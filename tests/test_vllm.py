@@ -178,10 +178,11 @@ def test_paged_attention_matches_sdpa():
     write_kv(cache, k_new.to("tpu"), v_new.to("tpu"), torch.tensor(step_slots).to("tpu"))
 
     q = torch.randn(sum(q_lens), heads, dim, generator=gen)
-    # Planned as the builder plans a step: 3 requests padded to 4, and one padded token.
+    # Planned as the builder plans a step, with one padded token: the decode in a grid of its
+    # own, the prefill and the chunk in another (2 requests, queries padded to 8).
     meta = plan_step(np.concatenate([[0], np.cumsum(q_lens)]), np.array(seq_lens), table.to("tpu"), block,
                      max(seq_lens), sum(q_lens) + 1, torch.device("tpu"))
-    assert meta.block_table.shape == (4, 3) and meta.mask.shape == (4, 1, 8, 12)
+    assert [tuple(g.mask.shape) for g in meta.groups] == [(1, 1, 1, 12), (2, 1, 8, 12)]
     padded_q = torch.cat([q, torch.full((1, heads, dim), 5.0)])
     got = paged_attention(padded_q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()
     assert got.shape[0] == sum(q_lens) + 1

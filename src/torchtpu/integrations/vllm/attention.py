@@ -7,9 +7,11 @@ written to, so a write never needs a host-side filter. A step writes its new key
 with one ``index_copy_`` over the slots of the whole tensor (so the eager in-place write donates
 the cache and XLA updates it in place), then each request reads its pages with one
 ``index_select`` over its block-table row. Queries are regrouped per request
-(``[requests, longest query, heads, head_size]``) and masked by position, so one program
-serves prefill, decode, chunked prefill and prefix-cache hits alike: a query at position
-``p`` sees every cached key at positions ``<= p`` of its own request.
+(``[requests, longest query, heads, head_size]``; decodes and the other requests in separate
+grids) and masked by position, so one computation serves prefill, decode, chunked prefill and
+prefix-cache hits alike: a query at position ``p`` sees every cached key at positions ``<= p``
+of its own request. The mask is built on the host once per step, and attention is one
+``scaled_dot_product_attention`` per grid.
 """
 
 from __future__ import annotations
@@ -31,27 +33,23 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 
 @dataclass
+class RequestGroup:
+    """Some of a step's requests as one padded grid of query rows (see ``plan_step``)."""
+
+    block_table: torch.Tensor  # [requests, pages read] page ids
+    query_rows: torch.Tensor  # [requests * longest query] the token each padded query row holds
+    query_positions: torch.Tensor  # [requests, longest query] position of each padded query row
+    mask: torch.Tensor  # [requests, 1, longest query, keys read] whether a query row sees a key
+
+
+@dataclass
 class TpuPagedAttentionMetadata:
     """What every layer of one step needs to find its queries' keys (shared across layers)."""
 
     num_actual_tokens: int
     block_size: int  # tokens per page of the cache
-    block_table: torch.Tensor  # [requests, pages read] page ids
-    query_rows: torch.Tensor  # [requests * longest query] the token each padded query row holds
-    token_rows: torch.Tensor  # [padded tokens] the padded query row each token lands in (0 for padding)
-    query_positions: torch.Tensor  # [requests, longest query] position of each padded query row
-    mask: torch.Tensor  # [requests, 1, longest query, keys read] whether a query row sees a key
-
-
-def query_layout(query_start_loc: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host index maps between the packed tokens and a [requests, width] grid of query rows."""
-    starts, lens = query_start_loc[:-1], np.diff(query_start_loc)
-    offsets = np.arange(width)
-    # Rows past a request's length repeat its first token: valid data, discarded afterwards.
-    rows = starts[:, None] + np.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
-    req_of_token = np.repeat(np.arange(len(lens)), lens)
-    token_rows = req_of_token * width + (np.arange(query_start_loc[-1]) - starts[req_of_token])
-    return rows.reshape(-1), token_rows
+    groups: list[RequestGroup]  # decodes, then the rest (prefills, chunks): each its own grid
+    token_rows: torch.Tensor  # [padded tokens] row of the groups' stacked grids holding each token (0: padding)
 
 
 def power_of_two_at_least(n: int) -> int:
@@ -63,35 +61,45 @@ def plan_step(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: to
     """The padded attention problem of one step, planned on the host.
 
     ``query_start_loc`` and ``seq_lens`` are the host's per-request figures, ``block_table`` the
-    requests' rows of page ids (on the device), ``tokens`` the step's padded token count. Each
-    new (requests, longest query, pages read, tokens) is a new set of eager attention programs:
-    requests, query width and pages are rounded up to powers of two and the tokens are the
-    step's padded count, which bounds them. Padded requests read the page ids of row zeros and
-    see one key; padded rows are discarded.
+    requests' rows of page ids (on the device), ``tokens`` the step's padded token count.
+
+    Decodes (one query each) and the other requests (prefills, chunks) form two grids, so a
+    long prompt in the step does not widen every decode to its length (32 decodes next to a
+    256-token chunk would be a [32, 256] grid of queries, 256 times the work). Each grid's
+    requests, query width and pages read are rounded up to powers of two, and the tokens are
+    the step's padded count, which bounds the eager programs a server builds. Padded requests
+    read the page ids of row 0 and see one key; padded rows are discarded.
     """
-    num_reqs = len(seq_lens)
+    del max_seq_len  # each grid reads as many pages as its own longest request needs
     query_lens = np.diff(query_start_loc)
-    requests, width = power_of_two_at_least(num_reqs), power_of_two_at_least(int(query_lens.max()))
-    query_rows, token_rows = query_layout(query_start_loc, width)
-    query_rows = np.pad(query_rows, (0, (requests - num_reqs) * width))
-    token_rows = np.pad(token_rows, (0, tokens - len(token_rows)))
-    pages = min(power_of_two_at_least(-(-max_seq_len // block_size)), block_table.shape[1])
-    positions = np.zeros((requests, width), dtype=np.int64)
-    positions[:num_reqs] = (seq_lens - query_lens)[:, None] + np.arange(width)[None, :]
-    padded_seq_lens = np.pad(seq_lens, (0, requests - num_reqs), constant_values=1)
-    # Causal within the request, nothing past its length; a padded request sees key 0 only.
-    key_pos = np.arange(pages * block_size)
-    mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < padded_seq_lens[:, None, None])
     to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return TpuPagedAttentionMetadata(
-        num_actual_tokens=int(query_start_loc[-1]),
-        block_size=block_size,
-        block_table=F.pad(block_table[:num_reqs, :pages], (0, 0, 0, requests - num_reqs)),
-        query_rows=to_device(query_rows.astype(np.int64)),
-        token_rows=to_device(token_rows.astype(np.int64)),
-        query_positions=to_device(positions),
-        mask=to_device(mask[:, None]),
-    )
+    token_rows = np.zeros(tokens, dtype=np.int64)
+    groups, base = [], 0
+    for members in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens != 1)):
+        if not len(members):
+            continue
+        lens, seqs, starts = query_lens[members], seq_lens[members], query_start_loc[members]
+        requests, width = power_of_two_at_least(len(members)), power_of_two_at_least(int(lens.max()))
+        pages = min(power_of_two_at_least(-(-int(seqs.max()) // block_size)), block_table.shape[1])
+        offsets = np.arange(width)
+        # Rows past a request's length repeat its first token: valid data, discarded afterwards.
+        rows = np.zeros((requests, width), dtype=np.int64)
+        rows[: len(members)] = starts[:, None] + np.where(offsets[None, :] < lens[:, None], offsets[None, :], 0)
+        for j, (start, n) in enumerate(zip(starts, lens)):
+            token_rows[start: start + n] = base + j * width + np.arange(n)
+        positions = np.zeros((requests, width), dtype=np.int64)
+        positions[: len(members)] = (seqs - lens)[:, None] + offsets[None, :]
+        visible_len = np.pad(seqs, (0, requests - len(members)), constant_values=1)
+        # Causal within the request, nothing past its length; a padded request sees key 0 only.
+        key_pos = np.arange(pages * block_size)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < visible_len[:, None, None])
+        table_rows = to_device(np.pad(members, (0, requests - len(members))).astype(np.int64))
+        groups.append(RequestGroup(block_table=block_table[:, :pages].index_select(0, table_rows),
+                                   query_rows=to_device(rows.reshape(-1)), query_positions=to_device(positions),
+                                   mask=to_device(mask[:, None])))
+        base += requests * width
+    return TpuPagedAttentionMetadata(num_actual_tokens=int(query_start_loc[-1]), block_size=block_size,
+                                     groups=groups, token_rows=to_device(token_rows))
 
 
 class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentionMetadata]):
@@ -129,18 +137,26 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedA
                     scale: float, head_size: int, sliding_window: int | None,
                     soft_cap: float | None) -> torch.Tensor:
     """Causal attention of packed queries [tokens, heads, d] over their requests' cached keys."""
-    requests, pages = meta.block_table.shape
-    block_size, kv_heads = meta.block_size, kv_cache.shape[1]
-    heads, width = query.shape[1], meta.query_positions.shape[1]
-    q = query.index_select(0, meta.query_rows).view(requests, width, heads, head_size)
+    outs = [_attend_group(query, kv_cache, group, meta.block_size, scale, head_size, sliding_window, soft_cap)
+            for group in meta.groups]
+    return (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, meta.token_rows)
+
+
+def _attend_group(query, kv_cache, group: RequestGroup, block_size: int, scale: float, head_size: int,
+                  sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """One grid's attention, [requests * width, heads, d_v]."""
+    requests, pages = group.block_table.shape
+    kv_heads = kv_cache.shape[1]
+    heads, width = query.shape[1], group.query_positions.shape[1]
+    q = query.index_select(0, group.query_rows).view(requests, width, heads, head_size)
     paged = kv_cache.view(-1, block_size, kv_heads, kv_cache.shape[-1])
-    kv = paged.index_select(0, meta.block_table.reshape(-1).long())
+    kv = paged.index_select(0, group.block_table.reshape(-1).long())
     kv = kv.view(requests, pages * block_size, kv_heads, -1)
     k, v = kv[..., :head_size], kv[..., head_size:]
-    visible = meta.mask  # [requests, 1, width, keys], built on the host once per step
+    visible = group.mask  # [requests, 1, width, keys], built on the host once per step
     if sliding_window is not None:
         key_pos = torch.arange(pages * block_size, device=query.device)
-        visible = visible & (key_pos[None, None, :] > meta.query_positions[:, :, None] - sliding_window)[:, None]
+        visible = visible & (key_pos[None, None, :] > group.query_positions[:, :, None] - sliding_window)[:, None]
     if not soft_cap:  # one fused attention op: no transposed copies, no score tensor in between
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=visible, scale=scale, enable_gqa=heads != kv_heads)
@@ -153,8 +169,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: TpuPagedA
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v.transpose(1, 2))  # [requests, heads, width, d_v]
-    out = out.transpose(1, 2).reshape(requests * width, heads, -1)
-    return out.index_select(0, meta.token_rows)
+    return out.transpose(1, 2).reshape(requests * width, heads, -1)
 
 
 class TpuPagedAttentionImpl(AttentionImpl[TpuPagedAttentionMetadata]):
