@@ -18,16 +18,17 @@ measured in one run:
 Columns: output tokens/s over the run (first request sent to last token received), time to
 first token and inter-token latency (gaps between streamed chunks), medians (p50) and p99,
 and the throughput ratio to ``hf tpu (naive)`` at the same concurrency. Every row first serves
-a warm-up pass (untimed) of requests with the same lengths, so XLA compiles the shapes before
-the clock runs; each pass has its own token ids, so no pass finds another's prompts in a
-prefix cache. Servers run in their own process group and are stopped at the end, whatever happens.
+``--warmup`` passes (2, untimed) of requests with the same lengths, so XLA compiles the shapes
+before the clock runs: how requests share a step depends on their arrival, so one pass does not
+meet every batch a server compiles for, while the compiled programs stay cached for the server's
+life. Each pass has its own token ids, so no pass finds another's prompts in a prefix cache. Servers run in their own process group and are stopped at the end, whatever happens.
 
 ``--prefix 512`` adds a second table: every prompt starts with the same 512-token system prompt,
 served by each engine with its prefix cache on and off (``--disable-radix-cache``,
 ``--no-enable-prefix-caching``), to show the cache's effect on time to first token.
 
     python benchmarks/serving.py [--engines sglang vllm hf-tpu hf-cpu] [--concurrency 1 16 32]
-        [--requests 64] [--prefix 512 [--prefix-only]] [--sglang-python PY] [--vllm-python PY]
+        [--requests 64] [--warmup 2] [--prefix 512 [--prefix-only]] [--sglang-python PY] [--vllm-python PY]
 
 SGLang and vLLM usually live in their own venvs (``tools/sglang_env.sh``, ``tools/vllm_env.sh``):
 ``--sglang-python`` and ``--vllm-python`` name their interpreters; an engine that is not
@@ -266,8 +267,9 @@ def summarize(traces: list[Trace], wall: float) -> dict[str, float]:
             "itl p50": pct(itl, 50), "itl p99": pct(itl, 99)}
 
 
-def timed(serve, work: Workload, concurrency: int) -> dict[str, float]:
-    asyncio.run(serve(work.next_pass(), concurrency))  # warm-up: the same shapes, untimed
+def timed(serve, work: Workload, concurrency: int, warmup: int) -> dict[str, float]:
+    for _ in range(warmup):  # the same lengths, untimed
+        asyncio.run(serve(work.next_pass(), concurrency))
     requests = work.next_pass()
     start = time.perf_counter()
     traces = asyncio.run(serve(requests, concurrency))
@@ -294,6 +296,7 @@ def main() -> int:
                    choices=["sglang", "vllm", "hf-tpu", "hf-cpu"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 32])
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2, help="untimed passes before each timed one")
     p.add_argument("--prefix", type=int, default=0, help="also run with a shared system prompt of this many tokens")
     p.add_argument("--prefix-only", action="store_true", help="with --prefix: only the prefix-cache table")
     p.add_argument("--sglang-python", default=sys.executable)
@@ -325,7 +328,7 @@ def main() -> int:
                 import torchtpu  # noqa: F401  (registers the device)
             server = NaiveServer(model_dir, device)
             for conc in args.concurrency:
-                rows[f"hf {device} (naive)", conc] = timed(server.run, work, conc)
+                rows[f"hf {device} (naive)", conc] = timed(server.run, work, conc, args.warmup)
                 print(f"  hf {device} (naive) at {conc}: {rows[f'hf {device} (naive)', conc]['tok/s']:.1f} tok/s",
                       flush=True)
             continue
@@ -338,7 +341,7 @@ def main() -> int:
         with Server(cmd, port, scratch / f"{engine}.log") as server:
             serve = lambda reqs, conc: run_http(server.url, "m", reqs, conc)  # noqa: E731
             for conc in args.concurrency:
-                rows[f"{engine} tpu", conc] = timed(serve, work, conc)
+                rows[f"{engine} tpu", conc] = timed(serve, work, conc, args.warmup)
                 print(f"  {engine} tpu at {conc}: {rows[f'{engine} tpu', conc]['tok/s']:.1f} tok/s", flush=True)
     if rows:
         print_table("Serving, greedy, output tokens/s and latency", rows, BASELINE)
@@ -355,7 +358,8 @@ def main() -> int:
                 cmd = engine_command(engine, python, model_dir, port, max_len, top, prefix_cache=cache)
                 with Server(cmd, port, scratch / f"{engine}-prefix.log") as server:
                     serve = lambda reqs, conc: run_http(server.url, "m", reqs, conc)  # noqa: E731
-                    prefix_rows[f"{engine} cache {'on' if cache else 'off'}", top] = timed(serve, prefixed, top)
+                    row = f"{engine} cache {'on' if cache else 'off'}"
+                    prefix_rows[row, top] = timed(serve, prefixed, top, args.warmup)
         print_table(f"Shared {args.prefix}-token system prompt, prefix cache on and off", prefix_rows, None)
     return 0
 
