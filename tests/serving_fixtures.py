@@ -50,3 +50,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hf_int8(model_dir):
+    """The reference for ``--quantization tpu_int8``: the checkpoint in Hugging Face on CPU with
+    every decoder linear layer's weight replaced by its int8 rows, dequantized (the engines'
+    embeddings and LM head stay float)."""
+    import transformers
+
+    from torchtpu.integrations.int8 import dequantize_rows, quantize_rows
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = dequantize_rows(*quantize_rows(module.weight.data))
+    return tokenizer, model

@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers", reason=REASON)
 from torchtpu.integrations.sglang import check_sglang_version  # noqa: E402
 from torchtpu.integrations.sglang.attention import paged_attention, plan_batch  # noqa: E402
 
-from serving_fixtures import MAX_NEW, free_port, hf, hf_greedy, model_dir  # noqa: E402,F401,F811 (fixtures)
+from serving_fixtures import MAX_NEW, free_port, hf, hf_greedy, hf_int8, model_dir  # noqa: E402,F401,F811 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -205,6 +205,23 @@ def test_engine_prefix_cache_reuse(engine, hf):
     out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": MAX_NEW})
     assert out["meta_info"]["cached_tokens"] >= CHUNK
     assert out["output_ids"] == hf_greedy(hf, tokenizer(prompt).input_ids)
+
+
+def test_engine_int8_weight_only_matches_dequantized_hf(model_dir, hf_int8):
+    """--quantization tpu_int8: the linear weights are int8 in the engine, and the tokens are
+    those of the float model whose weights are the int8 ones dequantized."""
+    tokenizer, _ = hf_int8
+    llm = sgl.Engine(model_path=model_dir, dtype="float32", max_total_tokens=2048, log_level="error",
+                     quantization="tpu_int8")
+    try:
+        weights = llm.get_weights_by_name("model.layers.0.mlp.down_proj.weight", truncate_size=64)
+        outs = llm.generate(PROMPTS[:2], {"temperature": 0, "max_new_tokens": MAX_NEW})
+    finally:
+        llm.shutdown()
+    values = torch.tensor(weights).flatten()
+    assert torch.equal(values, values.round()) and values.abs().max() <= 127  # int8 rows
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_greedy(hf_int8, tokenizer(prompt).input_ids), prompt
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible server

@@ -38,7 +38,7 @@ from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E40
 from torchtpu.integrations.vllm.model_runner import token_buckets  # noqa: E402
 from torchtpu.integrations.vllm.platform import TpuPlatform  # noqa: E402
 
-from serving_fixtures import MAX_NEW, free_port, hf, model_dir  # noqa: E402,F401,F811 (fixtures)
+from serving_fixtures import MAX_NEW, free_port, hf, hf_int8, model_dir  # noqa: E402,F401,F811 (fixtures)
 from serving_fixtures import hf_greedy as _hf_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -372,3 +372,31 @@ def test_offline_generate_matches_hf(model_dir, hf, eager):
     assert line, proc.stderr[-3000:]
     for prompt_ids, ids in json.loads(line[0][len("RESULT"):]):
         assert ids == hf_greedy(hf, prompt_ids)
+
+
+INT8 = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], max_model_len=256, max_num_seqs=4, dtype="float32", block_size=16,
+          quantization="tpu_int8")
+dtypes = llm.apply_model(lambda model: sorted({{str(p.dtype) for n, p in model.named_parameters()
+                                              if n.endswith("proj.weight")}}))
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens={n}))
+print("RESULT" + json.dumps([dtypes, [[o.prompt_token_ids, list(o.outputs[0].token_ids)] for o in outs]]))
+"""
+
+
+def test_offline_int8_weight_only_matches_dequantized_hf(model_dir, hf_int8):
+    """--quantization tpu_int8 (compiled forward): the linear weights are int8, and the tokens
+    are those of the float model whose weights are the int8 ones dequantized."""
+    import json
+
+    env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", INT8.format(n=MAX_NEW), model_dir, json.dumps(PROMPTS[:2])],
+                          capture_output=True, text=True, env=env, timeout=SERVER_START_S)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    dtypes, results = json.loads(line[0][len("RESULT"):])
+    assert dtypes == [["torch.int8"]]
+    for prompt_ids, ids in results:
+        assert ids == hf_greedy(hf_int8, prompt_ids)

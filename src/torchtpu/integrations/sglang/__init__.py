@@ -38,10 +38,14 @@ def activate() -> str | None:
 
 
 def register() -> None:
-    """Entry point of ``sglang.srt.plugins``: make ``--attention-backend tpu`` known to SGLang."""
+    """Entry point of ``sglang.srt.plugins``: make ``--attention-backend tpu`` and
+    ``--quantization tpu_int8`` known to SGLang."""
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
+    from torchtpu.integrations.sglang import quantization
+
+    quantization.register()
     if BACKEND_NAME in ATTENTION_BACKENDS:
         return
 

@@ -16,7 +16,15 @@ import torch
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from torchtpu.integrations.int8 import NAME as INT8_NAME
 from torchtpu.integrations.sglang import BACKEND_NAME
+
+# SGLang parses its command line before it loads plugins (where `register` adds the method
+# itself), so `--quantization tpu_int8` must be a choice as soon as the platform is resolved.
+from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES  # noqa: E402  (a plain list)
+
+if INT8_NAME not in QUANTIZATION_CHOICES:
+    QUANTIZATION_CHOICES.append(INT8_NAME)
 
 logger = logging.getLogger(__name__)
 

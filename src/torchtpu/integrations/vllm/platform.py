@@ -61,6 +61,11 @@ class TpuPlatform(Platform):
     supported_quantization: list[str] = []
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM parses its arguments: register ``--quantization tpu_int8``."""
+        import torchtpu.integrations.vllm.quantization  # noqa: F401  (registers on import)
+
+    @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         if attn_selector_config.use_mla or attn_selector_config.use_sparse:
             raise NotImplementedError(

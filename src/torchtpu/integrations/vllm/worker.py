@@ -22,6 +22,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 from vllm.v1.worker.workspace import init_workspace_manager
 
 from torchtpu.integrations import serving_process_defaults
+from torchtpu.integrations.vllm import quantization  # noqa: F401  (registers tpu_int8 where the model loads)
 from torchtpu.integrations.vllm.model_runner import TpuModelRunner
 from torchtpu.integrations.vllm.platform import host_backed, memory_info
 
