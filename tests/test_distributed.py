@@ -129,3 +129,47 @@ def test_busy_coordinator_port_is_a_clear_error(monkeypatch):
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
         with pytest.raises(RuntimeError, match=f"coordinator port {taken} .* is in use"):
             multiprocess.coordinator_address()
+
+
+def test_ranks_given_as_arguments_join_like_an_engines_tensor_parallel_processes(monkeypatch):
+    """Two processes started with their ranks as arguments (as SGLang and vLLM start tensor-parallel
+    ranks) and a coordinator chosen by the launching process: collectives eager, on the host and
+    compiled."""
+    from torchtpu.integrations import choose_rank_coordinator
+    from torchtpu.runtime.multiprocess import free_port
+
+    monkeypatch.delenv("TORCHTPU_COORDINATOR", raising=False)  # restored after the test
+    coordinator = choose_rank_coordinator()
+    assert os.environ["TORCHTPU_COORDINATOR"] == coordinator
+    assert choose_rank_coordinator() != coordinator  # its own choice: a fresh port per engine
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKERS / "declared.py"), str(rank), "2", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env=env) for rank in range(2)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=120)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail("the declared ranks did not finish within 120 s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 0 and f"rank {rank} ok" in out, out[-4000:]
+
+
+def test_a_launch_cannot_be_declared_once_the_runtime_runs_alone():
+    from torchtpu.runtime import multiprocess
+
+    torch.ones(1, device="tpu")  # this process's runtime has started, alone
+    with pytest.raises(RuntimeError, match="already started .*alone"):
+        multiprocess.declare(1, 2, 1, 2, "127.0.0.1:1")
+    with pytest.raises(ValueError, match="not a valid place"):
+        multiprocess.declare(2, 2, 0, 2, "127.0.0.1:1")
+    assert multiprocess.launch() is None

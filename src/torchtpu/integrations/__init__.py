@@ -64,3 +64,52 @@ def serving_on_tpu(variable: str) -> bool:
 
     accelerator = torch.accelerator.current_accelerator()
     return accelerator is not None and accelerator.type == "tpu" and not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- tensor-parallel rank processes
+
+COORDINATOR_VARIABLE = "TORCHTPU_COORDINATOR"
+_chosen_coordinator: str | None = None  # the value this process last put in COORDINATOR_VARIABLE
+
+
+def choose_rank_coordinator() -> str:
+    """In the process that starts an engine's rank processes, before it starts them: the
+    ``jax.distributed`` coordinator (``host:port``) that they will share, passed to them in
+    ``TORCHTPU_COORDINATOR``.
+
+    Engines start one process per tensor-parallel rank with the ranks as arguments (not
+    torchrun's variables); each joins the others' devices through ``jax.distributed``, whose
+    coordinator rank 0 serves. A value the user set is kept; otherwise a free port of this host
+    is chosen for each engine started (one host: for several, set the variable to rank 0's
+    ``host:port``).
+    """
+    global _chosen_coordinator
+    from torchtpu.runtime.multiprocess import free_port
+
+    current = os.environ.get(COORDINATOR_VARIABLE, "")
+    if current and current != _chosen_coordinator:
+        return current
+    _chosen_coordinator = f"127.0.0.1:{free_port()}"
+    os.environ[COORDINATOR_VARIABLE] = _chosen_coordinator
+    return _chosen_coordinator
+
+
+def join_ranks(rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+    """In an engine's rank process, before its first tpu op: become rank ``rank`` of
+    ``world_size`` owning ``tpu:local_rank``, so that the ``tpu`` process group (``"tpu"`` in
+    the engine's ``torch.distributed`` backend) runs its collectives as XLA programs across the
+    ranks' devices."""
+    coordinator = os.environ.get(COORDINATOR_VARIABLE, "")
+    if not coordinator:
+        raise RuntimeError(
+            f"tpu: rank {rank} of {world_size} has no jax.distributed coordinator: the engine's launching "
+            f"process did not choose one. Set {COORDINATOR_VARIABLE}=host:port (a free port on the host of "
+            f"rank 0) for every rank.")
+    from torchtpu.runtime import multiprocess
+
+    multiprocess.declare(rank, world_size, local_rank, local_world_size, coordinator)
+
+
+# ``torch.distributed`` backend of the engines' groups: host tensors (the schedulers' metadata)
+# through gloo, tpu tensors (activations) through torchtpu's ``tpu`` backend.
+DIST_BACKEND = "cpu:gloo,tpu:tpu"

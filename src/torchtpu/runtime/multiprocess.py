@@ -31,6 +31,7 @@ from torchtpu.config import config
 
 _initialized = False
 _joined: Launch | None = None
+_declared: Launch | None = None  # set by ``declare`` (a serving engine's rank process), else None
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,18 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the operating system's choice)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def _port_from_store(addr: str, port: int, rank: int) -> int:
     """The coordinator port for this run: chosen free by rank 0, read from torchrun's store."""
     import datetime
-    import socket
 
     import torch.distributed as dist
 
@@ -102,9 +111,7 @@ def _port_from_store(addr: str, port: int, rank: int) -> int:
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=config.distributed_timeout))
     if rank == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            chosen = sock.getsockname()[1]
+        chosen = free_port()
         store.set(key, str(chosen))
         return chosen
     return int(store.get(key))
@@ -112,7 +119,9 @@ def _port_from_store(addr: str, port: int, rank: int) -> int:
 
 def launch() -> Launch | None:
     """This process's launch, or None when it runs alone (no ``WORLD_SIZE`` > 1, or
-    ``TORCHTPU_DISTRIBUTED=0``)."""
+    ``TORCHTPU_DISTRIBUTED=0``). A launch given to ``declare`` wins over the environment."""
+    if _declared is not None:
+        return _declared
     world = _int_env("WORLD_SIZE", 1)
     if world <= 1 or not config.distributed:
         return None
@@ -122,6 +131,38 @@ def launch() -> Launch | None:
     local_rank = _int_env("LOCAL_RANK", 0)
     local_world = _int_env("LOCAL_WORLD_SIZE", None) or (world if local_rank == rank else local_rank + 1)
     return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world)
+
+
+def declare(rank: int, world_size: int, local_rank: int, local_world_size: int, coordinator: str) -> None:
+    """Make this process rank ``rank`` of a ``world_size``-process launch, owning
+    ``tpu:local_rank``, before the runtime starts: for launchers that pass ranks as arguments
+    rather than torchrun's variables (a serving engine starting one process per tensor-parallel
+    rank). ``coordinator`` is the ``jax.distributed`` coordinator's ``host:port``, the same in
+    every process (served by rank 0).
+
+    A process whose runtime has started cannot join any more: if it already runs as this
+    launch, nothing happens; otherwise RuntimeError.
+    """
+    global _declared
+    if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"tpu: rank {rank} of {world_size}, local rank {local_rank} of {local_world_size} "
+                         f"is not a valid place in a launch")
+    if not coordinator:
+        raise ValueError("tpu: a multi-process launch needs the jax.distributed coordinator's host:port")
+    info = Launch(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                  coordinator=coordinator)
+    from torchtpu.runtime import state
+
+    if state.started():
+        current = dataclasses.replace(_joined, coordinator=coordinator) if _joined else None
+        if current == info:
+            return
+        raise RuntimeError(
+            f"tpu: this process cannot become rank {rank} of {world_size}: its tpu runtime has already "
+            f"started ({'as rank %d of %d' % (_joined.rank, _joined.world_size) if _joined else 'alone'}). "
+            f"The launch must be declared before the first tpu op.")
+    _declared = info
+    state.sync_guard()  # the device guard learns the host's device count (one per local process)
 
 
 def joined() -> Launch | None:
@@ -194,7 +235,8 @@ def initialize() -> Launch | None:
     if info is None:
         return None
     # Chosen once: under torchrun rank 0 picks a fresh port each time it is asked.
-    info = dataclasses.replace(info, coordinator=coordinator_address())
+    if not info.coordinator:
+        info = dataclasses.replace(info, coordinator=coordinator_address())
     for name, value in launch_env(info.local_rank, info.local_world_size).items():
         os.environ.setdefault(name, value)
     import jax
