@@ -6,7 +6,8 @@ SGLang finds this package through two entry points (``pyproject.toml``):
   in every process that resolves its platform; it returns the platform class's name when
   ``SGLANG_PLATFORM=tpu`` (or, unset, when ``tpu`` is the accelerator and CUDA is not there).
 - ``sglang.srt.plugins``: ``torchtpu = torchtpu.integrations.sglang:register``, which adds the
-  ``tpu`` attention backend to SGLang's registry and to ``--attention-backend``'s choices.
+  ``tpu`` attention backend to SGLang's registry and to ``--attention-backend``'s choices,
+  ``--quantization tpu_int8``, and the hooks that run tensor parallelism on tpu (:mod:`.parallel`).
 
 Nothing here imports SGLang at torchtpu's import time.
 """
@@ -43,11 +44,12 @@ def register() -> None:
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-    from torchtpu.integrations.sglang import quantization
+    from torchtpu.integrations.sglang import parallel, quantization
 
     quantization.register()
     if BACKEND_NAME in ATTENTION_BACKENDS:
         return
+    parallel.register_hooks()
 
     def create(model_runner):
         from torchtpu.integrations import serving_process_defaults
@@ -64,3 +66,4 @@ def register() -> None:
     ATTENTION_BACKENDS[BACKEND_NAME] = create
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         ATTENTION_BACKEND_CHOICES.append(BACKEND_NAME)
+

@@ -2,9 +2,9 @@
 
 No Triton: SGLang then takes its torch-native allocator and request-to-token writers, and fused
 layers (RMSNorm, rotary, SiLU-and-mul) their ``forward_native`` bodies, which run as ordinary
-torch ops on tpu tensors. Attention is :mod:`.attention`; the KV pool is :mod:`.kv_pool`; with
-``--enable-torch-compile`` decode runs through :mod:`.graph_runner` (compiled, padded to
-SGLang's capture sizes) instead of CUDA graphs.
+torch ops on tpu tensors. Attention is :mod:`.attention`; the KV pool is :mod:`.kv_pool`; decode
+runs through :mod:`.graph_runner` (compiled, padded to SGLang's capture sizes) where CUDA would
+replay CUDA graphs: by default, and eager with ``--disable-cuda-graph``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator
 from torchtpu.integrations.int8 import NAME as INT8_NAME
 from torchtpu.integrations.sglang import BACKEND_NAME
 
@@ -42,16 +43,16 @@ UNSUPPORTED_OPTIONS = (
      "(or sgl_kernel's CPU op) and its batch-invariant mode replaces matmuls with Triton "
      "kernels; neither runs on tpu. Without it, `seed` is accepted and ignored, as on any "
      "SGLang device without that flag."),
-    (lambda args: args.tp_size > 1,
-     "--tp (tensor parallelism) is not supported on tpu yet: SGLang starts one process per "
-     "rank, and its all-reduces would need torchtpu's 'tpu' process group across those "
-     "processes (jax.distributed in each); the platform does not set that up. Use --tp 1."),
+    (lambda args: args.pp_size > 1 or args.dp_size > 1,
+     "--pp and --dp above 1 (pipeline and data parallelism) are not supported on tpu yet: the "
+     "decode graph runner does not pass pipeline stages' tensors, and data-parallel replicas "
+     "would each need their own jax.distributed launch. Tensor parallelism (--tp) is supported."),
 )
 
 
-def _host_backed(device_id: int = 0) -> bool:
-    """Whether the tpu device is XLA:CPU, whose memory is the host's."""
-    return torch.tpu.get_device_name(device_id).startswith("XLA:CPU")
+def _host_backed() -> bool:
+    """Whether the tpu device (this process's) is XLA:CPU, whose memory is the host's."""
+    return torch.tpu.get_device_name().startswith("XLA:CPU")
 
 
 def refuse_unsupported_options(server_args) -> None:
@@ -67,8 +68,8 @@ class TpuSRTPlatform(SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "tpu"
     device_type = "tpu"
-    # No Triton. "Graph capture" is the decode graph runner, which SGLang builds only when CUDA
-    # graphs are on: apply_server_args_defaults turns them on exactly with --enable-torch-compile.
+    # No Triton. "Graph capture" is the decode graph runner, which SGLang builds where CUDA
+    # graphs would be (by default; --disable-cuda-graph keeps decode eager).
     capabilities = PlatformCapabilities(graph_capture=True)
 
     # ---- device
@@ -96,7 +97,7 @@ class TpuSRTPlatform(SRTPlatform):
     # ---- memory: SGLang sizes the KV pool from total - usage
     def get_available_memory(self, device_id: int = 0) -> tuple[int, int]:
         free, total = torch.tpu.mem_get_info(device_id)
-        if _host_backed(device_id):
+        if _host_backed():
             # XLA:CPU's free figure counts only tpu tensors; other processes use the host too.
             free = min(free, psutil.virtual_memory().available)
         return free, total
@@ -105,7 +106,7 @@ class TpuSRTPlatform(SRTPlatform):
         return self.get_available_memory(device_id)[1]
 
     def get_current_memory_usage(self, device: torch.device | None = None) -> float:
-        index = 0 if device is None or torch.device(device).index is None else torch.device(device).index
+        index = torch.tpu.current_device() if device is None or torch.device(device).index is None else torch.device(device).index
         free, total = self.get_available_memory(index)
         return float(total - free)
 
@@ -134,14 +135,18 @@ class TpuSRTPlatform(SRTPlatform):
         return "native"
 
     def get_torch_distributed_backend_str(self) -> str:
-        # SGLang's group coordinators bind to CPU tensors for out-of-tree devices.
-        return "gloo"
+        # Metadata on the host through gloo; activations (tensor-parallel all-reduces and
+        # gathers) through torchtpu's tpu backend, as XLA collectives across the ranks' devices.
+        return DIST_BACKEND
+
+    def get_group_coordinator_device(self, local_rank: int) -> torch.device:
+        return torch.device(f"tpu:{local_rank}")
 
     def apply_server_args_defaults(self, server_args) -> None:
         """Defaults SGLang's GPU rules would get wrong on tpu (graph capture, host memory)."""
         refuse_unsupported_options(server_args)
-        # The decode "graphs" are TpuGraphRunner's compiled programs: only with --enable-torch-compile.
-        server_args.disable_cuda_graph = server_args.disable_cuda_graph or not server_args.enable_torch_compile
+        if server_args.tp_size * server_args.pp_size > 1:
+            choose_rank_coordinator()  # before SGLang starts the rank processes, which inherit it
         # Overlap scheduling runs the scheduler on a second CUDA stream; XLA already dispatches
         # asynchronously, on one stream.
         server_args.disable_overlap_schedule = True

@@ -19,6 +19,8 @@ import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND = "torchtpu.integrations.vllm.attention.TpuPagedAttentionBackend"
@@ -32,15 +34,15 @@ FUSION_PASSES = ("fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms", "fus
                  "fuse_rope_kvcache_cat_mla")
 
 
-def host_backed(device_id: int = 0) -> bool:
-    """Whether the tpu device is XLA:CPU, whose memory is the host's."""
-    return torch.tpu.get_device_name(device_id).startswith("XLA:CPU")
+def host_backed() -> bool:
+    """Whether the tpu device (this process's) is XLA:CPU, whose memory is the host's."""
+    return torch.tpu.get_device_name().startswith("XLA:CPU")
 
 
 def memory_info(device_id: int = 0) -> tuple[int, int]:
     """(free, total) bytes of a tpu device; on XLA:CPU, free is also bounded by the host's."""
     free, total = torch.tpu.mem_get_info(device_id)
-    if host_backed(device_id):
+    if host_backed():
         # XLA:CPU's free figure counts only tpu tensors; other processes use the host too.
         free = min(free, psutil.virtual_memory().available)
     return free, total
@@ -55,8 +57,9 @@ class TpuPlatform(Platform):
     dispatch_key = "PrivateUse1"
     ray_device_key = ""  # no Ray placement for tpu yet
     device_control_env_var = "TORCHTPU_VISIBLE_DEVICES"
-    # vLLM's group coordinators also keep a CPU group; one device needs no collectives.
-    dist_backend = "gloo"
+    # Host metadata through gloo; activations (tensor-parallel all-reduces and gathers) through
+    # torchtpu's tpu backend, as XLA collectives across the ranks' devices.
+    dist_backend = DIST_BACKEND
     simple_compile_backend = "tpu"
     supported_quantization: list[str] = []
 
@@ -95,7 +98,7 @@ class TpuPlatform(Platform):
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
-        index = 0 if device is None or torch.device(device).index is None else torch.device(device).index
+        index = torch.tpu.current_device() if device is None or torch.device(device).index is None else torch.device(device).index
         free, total = memory_info(index)
         return float(total - free)
 
@@ -148,7 +151,9 @@ class TpuPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        # torch.distributed on the device group (the tpu backend); traced by Dynamo into
+        # functional collectives, which the tpu compiler lowers into the step's program.
+        return "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -156,16 +161,22 @@ class TpuPlatform(Platform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        """Pick the tpu worker; turn off what needs CUDA (graphs, async scheduling, TP > 1)."""
+        """Pick the tpu worker; turn off what needs CUDA (graphs, async scheduling); set up TP ranks."""
         from torchtpu.integrations.vllm import check_vllm_version
 
         check_vllm_version()
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
+        if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
             raise NotImplementedError(
-                "tpu: tensor/pipeline parallelism is not supported by torchtpu's vLLM platform "
-                f"yet (world size {parallel.world_size}); use --tensor-parallel-size 1."
+                "tpu: pipeline and data parallelism are not supported by torchtpu's vLLM platform "
+                f"yet (--pipeline-parallel-size {parallel.pipeline_parallel_size}, --data-parallel-size "
+                f"{parallel.data_parallel_size}); tensor parallelism is (--tensor-parallel-size)."
             )
+        if parallel.world_size > 1:
+            # The workers join jax.distributed before their first tpu op: started fresh (a forked
+            # child cannot use a runtime its parent started), with a coordinator chosen here.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            choose_rank_coordinator()
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER_CLASS
         # The GPU runner's async scheduling overlaps steps with CUDA streams and events.

@@ -21,7 +21,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 from vllm.v1.worker.workspace import init_workspace_manager
 
-from torchtpu.integrations import serving_process_defaults
+from torchtpu.integrations import join_ranks, serving_process_defaults
 from torchtpu.integrations.vllm import quantization  # noqa: F401  (registers tpu_int8 where the model loads)
 from torchtpu.integrations.vllm.model_runner import TpuModelRunner
 from torchtpu.integrations.vllm.platform import host_backed, memory_info
@@ -37,7 +37,13 @@ class TpuWorker(Worker):
     """vLLM worker for one ``tpu`` device."""
 
     def init_device(self) -> None:
-        """Bind tpu:local_rank, set up vLLM's (single-process) groups, build the model runner."""
+        """Join the other ranks (tensor parallel), bind tpu:local_rank, set up vLLM's groups,
+        build the model runner."""
+        parallel = self.parallel_config
+        if parallel.world_size > 1:
+            nnodes = max(1, getattr(parallel, "nnodes", 1) or 1)
+            join_ranks(rank=self.rank, world_size=parallel.world_size, local_rank=self.local_rank,
+                       local_world_size=parallel.world_size // nnodes)
         self.device = torch.device(f"tpu:{self.local_rank}")
         torch.tpu.set_device(self.device)
         serving_process_defaults()
@@ -64,7 +70,7 @@ class TpuWorker(Worker):
         if self.cache_config.kv_cache_memory_bytes:
             return self.cache_config.kv_cache_memory_bytes
         index = self.device.index or 0
-        if host_backed(index):
+        if host_backed():
             logger.info("tpu is XLA:CPU (host memory): KV cache capped at %d MiB; set "
                         "--kv-cache-memory-bytes to change it.", HOST_DEFAULT_KV_CACHE_BYTES >> 20)
             return HOST_DEFAULT_KV_CACHE_BYTES
