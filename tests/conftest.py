@@ -1,9 +1,18 @@
-"""Shared test set-up: 4 XLA:CPU devices (for multi-device tests) and the tpu device."""
+"""Shared test set-up: 4 XLA:CPU devices (for multi-device tests) and the tpu device.
+
+XLA:CPU runs its matmuls single-threaded here. Its multi-threaded Eigen contractions are not
+bit-reproducible on every CPU (measured on an AMD EPYC host: a training run resumed from a
+checkpoint differed from the uninterrupted one in the last bit at a later step, and matched with
+one thread), and the whole-program tests require a resumed run to repeat the uninterrupted one
+exactly.
+"""
 
 import os
 
-# Must be set before JAX initialises its CPU client.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Must be set before JAX initialises its CPU client (subprocesses the tests start inherit them).
+_FLAGS = ("--xla_force_host_platform_device_count=4", "--xla_cpu_multi_thread_eigen=false")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(
+    flag for flag in _FLAGS if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
 os.environ.setdefault("TORCHTPU_PLATFORM", "cpu")
 
 import pytest  # noqa: E402
