@@ -46,3 +46,47 @@ def quantize_layer(layer: torch.nn.Module) -> None:
     q, scale = quantize_rows(layer.weight.data)
     layer.weight = torch.nn.Parameter(q, requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+
+
+# ---------------------------------------------------------------- the engines' method and config
+# SGLang and vLLM have the same quantization interface (vLLM's, which SGLang copied) in
+# different modules: each engine's classes put these first and its own base classes after.
+
+class Int8LinearMethod:
+    """A linear method that loads float weights as the engine's unquantized method does (the
+    base class after this one), then keeps them as int8 rows."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        quantize_layer(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+class Int8Config:
+    """Weight-only int8 for every linear layer (``linear_base`` instances, with ``linear_method``),
+    quantized from the float checkpoint as it loads."""
+
+    linear_base: type
+    linear_method: type
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Int8Config":
+        return cls()
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        return self.linear_method() if isinstance(layer, self.linear_base) else None

@@ -6,49 +6,22 @@ method to SGLang's quantization registry and to ``--quantization``'s choices.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from sglang.srt.layers.linear import LinearBase
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from torchtpu.integrations.int8 import NAME, int8_linear, quantize_layer
+from torchtpu.integrations.int8 import NAME, Int8Config, Int8LinearMethod
 
 
-class TpuInt8LinearMethod(UnquantizedLinearMethod):
-    """Loads float weights as SGLang's unquantized method does, then keeps them as int8 rows."""
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        quantize_layer(layer)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return int8_linear(x, layer.weight, layer.weight_scale, bias)
+class TpuInt8LinearMethod(Int8LinearMethod, UnquantizedLinearMethod):
+    """SGLang's unquantized loading, int8 rows after it."""
 
 
-class TpuInt8Config(QuantizationConfig):
-    """Weight-only int8 for every linear layer, quantized from the float checkpoint as it loads."""
+class TpuInt8Config(Int8Config, QuantizationConfig):
+    """``--quantization tpu_int8`` in SGLang."""
 
-    def get_name(self) -> str:
-        return NAME
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "TpuInt8Config":
-        return cls()
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        return TpuInt8LinearMethod() if isinstance(layer, LinearBase) else None
+    linear_base = LinearBase
+    linear_method = TpuInt8LinearMethod
 
     def get_scaled_act_names(self) -> list[str]:
         return []
