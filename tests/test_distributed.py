@@ -133,8 +133,7 @@ def test_busy_coordinator_port_is_a_clear_error(monkeypatch):
 
 def test_ranks_given_as_arguments_join_like_an_engines_tensor_parallel_processes(monkeypatch):
     """Two processes started with their ranks as arguments (as SGLang and vLLM start tensor-parallel
-    ranks) and a coordinator chosen by the launching process: collectives eager, on the host and
-    compiled."""
+    ranks) and a coordinator chosen by the launching process: collectives on tpu and on the host."""
     from torchtpu.integrations import choose_rank_coordinator
     from torchtpu.runtime.multiprocess import free_port
 
