@@ -16,7 +16,7 @@ from torchtpu.integrations import DIST_BACKEND, join_ranks
 from torchtpu.runtime import multiprocess
 
 rank, world, port = (int(a) for a in sys.argv[1:4])
-join_ranks(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
+join_ranks(rank=rank, world_size=world, local_rank=rank)
 torch.tpu.set_device(rank)  # its own device, as an engine selects tpu:gpu_id
 dist.init_process_group(DIST_BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 assert torch.tpu.device_count() == world and torch.tpu.current_device() == rank

@@ -54,6 +54,26 @@ def serving_process_defaults() -> None:
         config.kernel_cache_size = SERVER_KERNEL_CACHE_SIZE
 
 
+def host_backed() -> bool:
+    """Whether this process's tpu device is XLA:CPU, whose memory is the host's."""
+    import torch
+
+    return torch.tpu.get_device_name().startswith("XLA:CPU")
+
+
+def memory_info(device_id: int) -> tuple[int, int]:
+    """(free, total) bytes of ``tpu:device_id`` for an engine sizing its KV cache; on XLA:CPU free
+    is also bounded by the host's available memory (XLA:CPU counts only tpu tensors, and the
+    other processes use the host too)."""
+    import psutil
+    import torch
+
+    free, total = torch.tpu.mem_get_info(device_id)
+    if host_backed():
+        free = min(free, psutil.virtual_memory().available)
+    return free, total
+
+
 def serving_on_tpu(variable: str) -> bool:
     """Whether an engine's process should serve on tpu: asked for by name in ``variable``
     (``SGLANG_PLATFORM=tpu``), or, unset, tpu is the accelerator and CUDA is absent (auto-selection
@@ -94,11 +114,11 @@ def choose_rank_coordinator() -> str:
     return _chosen_coordinator
 
 
-def join_ranks(rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+def join_ranks(rank: int, world_size: int, local_rank: int, nnodes: int = 1) -> None:
     """In an engine's rank process, before its first tpu op: become rank ``rank`` of
-    ``world_size`` owning ``tpu:local_rank``, so that the ``tpu`` process group (``"tpu"`` in
-    the engine's ``torch.distributed`` backend) runs its collectives as XLA programs across the
-    ranks' devices."""
+    ``world_size`` (spread evenly over ``nnodes`` hosts) owning ``tpu:local_rank``, so that the
+    ``tpu`` process group (``"tpu"`` in the engine's ``torch.distributed`` backend) runs its
+    collectives as XLA programs across the ranks' devices."""
     coordinator = os.environ.get(COORDINATOR_VARIABLE, "")
     if not coordinator:
         raise RuntimeError(
@@ -107,7 +127,7 @@ def join_ranks(rank: int, world_size: int, local_rank: int, local_world_size: in
             f"rank 0) for every rank.")
     from torchtpu.runtime import multiprocess
 
-    multiprocess.declare(rank, world_size, local_rank, local_world_size, coordinator)
+    multiprocess.declare(rank, world_size, local_rank, world_size // max(1, nnodes), coordinator)
 
 
 # ``torch.distributed`` backend of the engines' groups: host tensors (the schedulers' metadata)

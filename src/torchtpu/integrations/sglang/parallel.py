@@ -51,9 +51,8 @@ def join_ranks(*args, **kwargs):
     parallel = get_parallel()
     world = parallel.tp_size * parallel.pp_size
     if world > 1:
-        nnodes = max(1, getattr(parallel, "nnodes", 1) or 1)
         join(rank=parallel.tp_size * parallel.pp_rank + parallel.tp_rank, world_size=world,
-             local_rank=get_device().gpu_id, local_world_size=world // nnodes)
+             local_rank=get_device().gpu_id, nnodes=getattr(parallel, "nnodes", 1) or 1)
     return None
 
 

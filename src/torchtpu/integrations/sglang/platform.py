@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 
-import psutil
 import torch
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator
+from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator, host_backed, memory_info
 from torchtpu.integrations.int8 import NAME as INT8_NAME
 from torchtpu.integrations.sglang import BACKEND_NAME
 
@@ -48,11 +47,6 @@ UNSUPPORTED_OPTIONS = (
      "decode graph runner does not pass pipeline stages' tensors, and data-parallel replicas "
      "would each need their own jax.distributed launch. Tensor parallelism (--tp) is supported."),
 )
-
-
-def _host_backed() -> bool:
-    """Whether the tpu device (this process's) is XLA:CPU, whose memory is the host's."""
-    return torch.tpu.get_device_name().startswith("XLA:CPU")
 
 
 def refuse_unsupported_options(server_args) -> None:
@@ -96,11 +90,7 @@ class TpuSRTPlatform(SRTPlatform):
 
     # ---- memory: SGLang sizes the KV pool from total - usage
     def get_available_memory(self, device_id: int = 0) -> tuple[int, int]:
-        free, total = torch.tpu.mem_get_info(device_id)
-        if _host_backed():
-            # XLA:CPU's free figure counts only tpu tensors; other processes use the host too.
-            free = min(free, psutil.virtual_memory().available)
-        return free, total
+        return memory_info(device_id)
 
     def get_device_total_memory(self, device_id: int = 0) -> int:
         return self.get_available_memory(device_id)[1]
@@ -150,7 +140,7 @@ class TpuSRTPlatform(SRTPlatform):
         # Overlap scheduling runs the scheduler on a second CUDA stream; XLA already dispatches
         # asynchronously, on one stream.
         server_args.disable_overlap_schedule = True
-        if server_args.max_total_tokens is None and _host_backed():
+        if server_args.max_total_tokens is None and host_backed():
             server_args.max_total_tokens = HOST_DEFAULT_MAX_TOTAL_TOKENS
             logger.info(
                 "tpu is XLA:CPU (host memory): KV pool capped at %d tokens; "

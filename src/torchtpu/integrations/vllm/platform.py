@@ -15,11 +15,10 @@ from __future__ import annotations
 import logging
 import os
 
-import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator
+from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator, memory_info
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +31,6 @@ FUSION_PASSES = ("fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms", "fus
                  "fuse_act_padding", "fuse_mla_dual_rms_norm", "fuse_rope_kvcache",
                  "fuse_qk_norm_rope_kvcache", "enable_qk_norm_rope_fusion",
                  "fuse_rope_kvcache_cat_mla")
-
-
-def host_backed() -> bool:
-    """Whether the tpu device (this process's) is XLA:CPU, whose memory is the host's."""
-    return torch.tpu.get_device_name().startswith("XLA:CPU")
-
-
-def memory_info(device_id: int = 0) -> tuple[int, int]:
-    """(free, total) bytes of a tpu device; on XLA:CPU, free is also bounded by the host's."""
-    free, total = torch.tpu.mem_get_info(device_id)
-    if host_backed():
-        # XLA:CPU's free figure counts only tpu tensors; other processes use the host too.
-        free = min(free, psutil.virtual_memory().available)
-    return free, total
 
 
 class TpuPlatform(Platform):

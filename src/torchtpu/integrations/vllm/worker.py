@@ -21,10 +21,9 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 from vllm.v1.worker.workspace import init_workspace_manager
 
-from torchtpu.integrations import join_ranks, serving_process_defaults
+from torchtpu.integrations import host_backed, join_ranks, memory_info, serving_process_defaults
 from torchtpu.integrations.vllm import quantization  # noqa: F401  (registers tpu_int8 where the model loads)
 from torchtpu.integrations.vllm.model_runner import TpuModelRunner
-from torchtpu.integrations.vllm.platform import host_backed, memory_info
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +40,8 @@ class TpuWorker(Worker):
         build the model runner."""
         parallel = self.parallel_config
         if parallel.world_size > 1:
-            nnodes = max(1, getattr(parallel, "nnodes", 1) or 1)
             join_ranks(rank=self.rank, world_size=parallel.world_size, local_rank=self.local_rank,
-                       local_world_size=parallel.world_size // nnodes)
+                       nnodes=getattr(parallel, "nnodes", 1) or 1)
         self.device = torch.device(f"tpu:{self.local_rank}")
         torch.tpu.set_device(self.device)
         serving_process_defaults()
