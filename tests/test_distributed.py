@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from processes import kill_tree
+
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "distributed"
 
@@ -31,9 +33,11 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dic
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # torchrun and its workers, each in a session of its own
         out, _ = proc.communicate()
-        pytest.fail(f"{script} on {nproc} processes did not finish within {timeout}s:\n{out[-4000:]}")
+        # the head holds the first traceback; the tail, how the processes ended
+        shown = out if len(out) <= 8000 else f"{out[:4000]}\n[...]\n{out[-4000:]}"
+        pytest.fail(f"{script} on {nproc} processes did not finish within {timeout}s:\n{shown}")
     return proc.returncode, out
 
 
@@ -64,6 +68,17 @@ def test_disagreeing_ranks_raise_within_the_timeout(case):
         # task, or our watchdog the collective that never completes; whichever comes first
         assert any(sign in out for sign in ("Connection closed by peer", "another task died", "watchdog")), \
             out[-3000:]
+
+
+def test_a_rank_that_raises_ends_the_job_at_once():
+    """An uncaught exception on one rank while another waits in a collective (300 s timeout):
+    the failed rank skips JAX's exit barrier, so torchrun ends the job well within the test's
+    timeout, with the traceback and a non-zero exit code."""
+    code, out = torchrun("errors.py", 2, "raises", timeout=90)
+    assert code != 0, out[-3000:]
+    assert "ValueError: rank 1 fails on purpose" in out and "rank 1 failed; it exits without waiting" in out, \
+        out[-3000:]
+    assert "finished without an error" not in out
 
 
 @pytest.mark.parametrize("name", ["tpu", "tpu_dist"])

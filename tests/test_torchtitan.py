@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from processes import kill_tree
+
 pytest.importorskip("torchtitan", reason="TorchTitan is not installed (tools/torchtitan_env.sh builds "
                                          "its venv; pip install 'torchtpu[torchtitan]'); CI does not install it")
 
@@ -55,7 +57,7 @@ def _torchrun(target: list[str], nproc: int, args: list[str], env: dict, timeout
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # torchrun and its workers, each in a session of its own
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(target)} did not finish within {timeout}s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]

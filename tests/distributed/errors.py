@@ -1,7 +1,10 @@
 """Run under torchrun with 2 processes: a collective the ranks disagree on must raise an error
 that names the op, the group and the ranks within the group's timeout, never hang.
 
-    torchrun --standalone --nproc-per-node 2 tests/distributed/errors.py {shape|absent|dead}
+    torchrun --standalone --nproc-per-node 2 tests/distributed/errors.py {shape|absent|dead|raises}
+
+``raises``: rank 1 stops with an uncaught exception while rank 0 waits in a collective with a
+long timeout; the failed rank must exit at once, so that the launcher ends the job.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 case = sys.argv[1]
-dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=5))
+dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=300 if case == "raises" else 5))
 rank = dist.get_rank()
 dev = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
 ok = torch.ones(3, device=dev)
@@ -38,6 +41,11 @@ try:
         time.sleep(1)
         dist.all_reduce(x)
         x.cpu()
+    elif case == "raises":  # rank 1 fails outside any collective; rank 0 waits in one
+        if rank == 1:
+            raise ValueError("rank 1 fails on purpose")
+        dist.all_reduce(ok)
+        ok.cpu()
 except RuntimeError as exc:
     print(f"rank {rank} raised after {time.monotonic() - start:.1f}s: {exc}", flush=True)
     sys.exit(7)

@@ -18,13 +18,21 @@ What each process reads (all set by torchrun):
 
 ``TORCHTPU_DISTRIBUTED=0`` turns this off (each process then runs alone, as before).
 
+A rank that fails exits at once. At exit JAX waits, up to five minutes, until every process
+reaches its shutdown barrier; a rank killed by an uncaught exception would wait there for ranks
+that are blocked in a collective with it, and the launcher, which ends the job when one rank
+exits, would wait too. So after an uncaught exception this process skips that barrier
+(``_exit_without_waiting``); the other ranks then see the failure and the launcher stops them.
+
 This module imports no JAX at import time.
 """
 
 from __future__ import annotations
 
-import os
+import atexit
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass
 
 from torchtpu.config import config
@@ -259,4 +267,24 @@ def initialize() -> Launch | None:
             f"coordinator {info.coordinator} ({exc}). Check that every rank was launched and that the "
             f"port is free (TORCHTPU_COORDINATOR=host:port chooses another)") from exc
     _joined, _initialized = info, True
+    _exit_without_waiting()
     return info
+
+
+def _exit_without_waiting() -> None:
+    """After an uncaught exception, leave without JAX's exit-time shutdown barrier (see above)."""
+    try:
+        from jax._src import api
+    except ImportError:  # a JAX without it: keep its exit as it is
+        return
+    clean_up = getattr(api, "clean_up", None)  # JAX's atexit handler: the barrier, then teardown
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        previous(kind, value, tb)  # the traceback, as without us
+        if clean_up is not None:
+            atexit.unregister(clean_up)
+            print(f"tpu: rank {_joined.rank} failed; it exits without waiting for the other ranks",
+                  file=sys.stderr, flush=True)
+
+    sys.excepthook = excepthook
