@@ -21,6 +21,24 @@ import torch  # noqa: E402
 import torchtpu  # noqa: E402,F401
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default, pyproject.toml): a worker per core, at most 4. Each worker holds
+    its own JAX runtime of 4 XLA:CPU devices, and the torchrun tests start more processes."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` (the default), tests are spread one by one over the workers, but
+    the tests of a file that share a module- or session-scoped fixture (a server, a warm cache, one
+    multi-process launch) stay together, so that the fixture runs once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info and any(d.scope in ("module", "package", "session") and d.baseid  # not a plugin's
+                              for defs in info.name2fixturedefs.values() for d in defs)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture
 def no_fallback():
     """Run a test with the CPU fallback off, so a missing lowering fails loudly."""

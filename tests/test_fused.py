@@ -114,6 +114,7 @@ def _programs_run() -> int:
 def test_a_read_runs_what_it_needs_first_and_the_rest_behind_it(monkeypatch, split):
     monkeypatch.setattr(fused, "SPLIT_AT_READ", split)
     monkeypatch.setattr(fused, "SPLIT_MIN_NODES", 1)  # this graph's rest is a few ops
+    torch.manual_seed(0)  # the same values whatever ran before (the loss can be a sum near zero)
     x = torch.randn(16, 8, device="tpu")
     w = torch.randn(8, 8, device="tpu")
     cx, cw = x.cpu(), w.cpu()
@@ -131,7 +132,7 @@ def test_a_read_runs_what_it_needs_first_and_the_rest_behind_it(monkeypatch, spl
             array = getattr(t.untyped_storage(), "_jax")
             assert isinstance(array, jax.Array) or array.value is not None
     ch = cx @ cw
-    assert value == pytest.approx(ch.tanh().sum().item(), rel=1e-5)
+    assert value == pytest.approx(ch.tanh().sum().item(), rel=1e-5, abs=1e-5)  # a sum of 128 terms
     assert_close(update.cpu(), cw - 0.1 * (cx.t() @ ch))
     assert_close(other.cpu(), cx.exp())
 
