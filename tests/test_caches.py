@@ -59,7 +59,9 @@ def test_lru_drops_the_least_recently_used():
     assert re.search(r"\d+\s+torchtpu_test_lru", metrics.report(file=io.StringIO()))
 
 
-def test_ten_thousand_shapes_leave_kernel_and_shape_caches_at_their_limit():
+# 10,000 shapes take ~20 s on 2 shared cores; CI runs 1,000 (60 times the kernel cache's limit)
+@pytest.mark.parametrize("shapes", [1_000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_many_shapes_leave_kernel_and_shape_caches_at_their_limit(shapes):
     """Recording (DEFER_AND_FUSE) builds a kernel's jitted program and the op's output shapes per
     shape without compiling anything, so 10,000 shapes take seconds."""
     kernel = register.kernels()[aten.zeros.default]
@@ -69,21 +71,21 @@ def test_ten_thousand_shapes_leave_kernel_and_shape_caches_at_their_limit():
     before = _evictions()
     with _limits(kernel_cache_size=16, fused_shape_cache_size=64):
         with torch.tpu.set_eager_mode(FUSE):
-            for n in range(1, 10_001):
+            for n in range(1, shapes + 1):
                 torch.zeros(n, device="tpu")  # the size is a static argument: a program per shape
             for n in range(1, 41):
                 torch._foreach_neg([base] * n)  # a program per list length
             assert len(kernel._jitted) == 16
             assert len(foreach._jitted) == 16
             assert len(fused._avals_cache) == 64
-        assert _delta(before, "eager_kernels") >= 10_000 - 16
+        assert _delta(before, "eager_kernels") >= shapes - 16
         assert _delta(before, "foreach_kernels") >= 40 - 16 - foreach_before
-        assert _delta(before, "fused_shapes") >= 10_000 + 40 - 64
+        assert _delta(before, "fused_shapes") >= shapes + 40 - 64
         # the most recent entries stay; an evicted one is rebuilt and still right
-        assert ((10_000,),) in {key[0] for key, *_ in kernel._jitted.keys()}
+        assert ((shapes,),) in {key[0] for key, *_ in kernel._jitted.keys()}
         assert torch.zeros(3, device="tpu").cpu().tolist() == [0.0, 0.0, 0.0]
     snap = metrics.snapshot()["cache_evictions"]
-    assert snap["eager_kernels"] >= 10_000 - 16
+    assert snap["eager_kernels"] >= shapes - 16
     assert re.search(r"\d+\s+eager_kernels", metrics.report(file=io.StringIO()))
 
 

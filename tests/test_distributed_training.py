@@ -3,7 +3,7 @@ tensor parallel and FSDP x TP matches the same model trained in one process on C
 1e-4 relative at every step), and a DCP checkpoint written by 4 processes resumes on 2.
 
 The worker is ``tests/distributed/train.py``; each test launches it with ``torchrun`` (the group
-is killed if it overruns). CI runs one launch per kind of parallelism; the compiled and the
+is killed if it overruns). CI runs DDP and FSDP2 (eager); tensor parallel, the compiled and the
 other variants, and ``examples/train_fsdp.py``, are ``slow`` (``pytest -m slow``).
 """
 
@@ -24,9 +24,11 @@ def assert_parity(nproc: int, *args: str, timeout: float = 240) -> str:
     return out
 
 
+# Eager tensor parallel (50 s) is in the slow sweep: CI covers TP compiled
+# (test_distributed_compile.py) and eager DTensors through FSDP2 (the checkpoint test below).
 @pytest.mark.parametrize("nproc,args", [
     (2, ("ddp", "--recompute")),  # with activation checkpointing
-    (2, ("tp",)),
+    pytest.param(2, ("tp",), marks=pytest.mark.slow),
 ], ids=["ddp-2-recompute", "tp-2"])
 def test_training_matches_one_cpu_process(nproc, args):
     assert_parity(nproc, *args)

@@ -16,7 +16,7 @@ import torch
 from cache_dirs import fresh_cache_dir
 from torchtpu import metrics
 
-STEPS = 10  # each step compiles ~8 new programs cold; 10 steps show the per-step pattern
+STEPS = 5  # each step compiles ~8 new programs cold; 5 steps show the per-step pattern
 
 # A child process: an attention decode loop whose sequence grows by one each step (every step has
 # new shapes), in eager mode; prints the generated values and its metrics as JSON.
