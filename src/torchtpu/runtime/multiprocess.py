@@ -278,13 +278,14 @@ def _exit_without_waiting() -> None:
     except ImportError:  # a JAX without it: keep its exit as it is
         return
     clean_up = getattr(api, "clean_up", None)  # JAX's atexit handler: the barrier, then teardown
+    if clean_up is None:
+        return
     previous = sys.excepthook
 
     def excepthook(kind, value, tb):
         previous(kind, value, tb)  # the traceback, as without us
-        if clean_up is not None:
-            atexit.unregister(clean_up)
-            print(f"tpu: rank {_joined.rank} failed; it exits without waiting for the other ranks",
-                  file=sys.stderr, flush=True)
+        atexit.unregister(clean_up)
+        print(f"tpu: rank {_joined.rank} failed; it exits without waiting for the other ranks",
+              file=sys.stderr, flush=True)
 
     sys.excepthook = excepthook
