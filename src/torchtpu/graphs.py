@@ -158,7 +158,9 @@ def _graphed(fn, sample_args: tuple, warmup: int, allow_unused: bool):
                 if static.data_ptr() != new.data_ptr():
                     static.copy_(new)
             forward_graph.replay()
-            return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in flat_out)
+            # new tensors holding the outputs' arrays (no copy): the next replay must not change
+            # what the caller holds, nor an in-place op on it the static outputs the backward reads
+            return tuple(_fresh(o) for o in flat_out)
 
         @staticmethod
         @torch.autograd.function.once_differentiable
@@ -167,7 +169,10 @@ def _graphed(fn, sample_args: tuple, warmup: int, allow_unused: bool):
                 if static is not None and new is not None and static.data_ptr() != new.data_ptr():
                     static.copy_(new)
             backward_graph.replay()
-            return tuple(g.detach() if g is not None else None for g in static_grad_in)
+            # new tensors, not views of the static gradients: autograd may keep a returned gradient
+            # as ``param.grad`` (it steals a tensor nothing else holds), and the next replay would
+            # then write into ``.grad`` before autograd adds the new gradient to it: twice the value
+            return tuple(_fresh(g) if g is not None else None for g in static_grad_in)
 
     def graphed(*user_args):
         flat, _ = pytree.tree_flatten(user_args)
