@@ -1,5 +1,6 @@
 """torch.tpu.compiler.hlo / cost_analysis / explain: the XLA programs of a function and why it split."""
 
+import contextlib
 import inspect
 import os
 
@@ -74,6 +75,57 @@ def test_hlo_of_a_module():
     layer = torch.nn.Linear(8, 3).to("tpu")
     text = compiler.hlo(layer, *_inputs((2, 8)))
     assert "stablehlo.dot_general" in text and "(forward)" in text
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.GELU(),
+                               torch.nn.Linear(16, 3)).to("tpu")
+
+
+def _train_step(model):
+    def step(x):  # a training step as users write it: backward inside
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+# A model's parameters reached through a closure once left the backward graph uncompiled, and
+# hlo, explain and cost_analysis failed on a missing dump of it.
+@pytest.mark.parametrize("case", ["closure_forward", "training_step", "eval_no_grad"])
+def test_introspection_of_a_model_with_parameters(case):
+    model = _mlp()
+    x, = _inputs((4, 8))
+    if case == "closure_forward":
+        fn = lambda t: model(t).sum()  # noqa: E731
+        kinds = ["forward", "backward"]
+    elif case == "training_step":
+        fn = _train_step(model)
+        # dynamo breaks the graph at backward(); what follows it is a graph of its own
+        kinds = ["forward", "backward", "inference"]
+    else:
+        model.eval()
+        fn = lambda t: model(t).sum()  # noqa: E731
+        kinds = ["inference"]
+    before = [p.grad for p in model.parameters()]
+    context = torch.no_grad() if case == "eval_no_grad" else contextlib.nullcontext()
+    with context:
+        text = compiler.hlo(fn, x)
+        optimized = compiler.hlo(fn, x, stage="optimized")
+        costs = compiler.cost_analysis(fn, x)
+        explanation = compiler.explain(fn, x)
+    for i, kind in enumerate(kinds, 1):
+        assert f"graph {i} of {len(kinds)}: torchtpu_{kind}_" in text and f"({kind})" in text
+        assert f"({kind})" in optimized
+    assert "stablehlo.dot_general" in text
+    assert [c["kind"] for c in costs] == kinds
+    assert all(c["flops"] > 0 for c in costs[:2])
+    breaks = 1 if case == "training_step" else 0
+    assert explanation.graph_count == 1 + breaks and len(explanation.graph_breaks) == breaks
+    assert [p.split("_")[1] for p in explanation.programs] == kinds
+    if case == "closure_forward":
+        assert [p.grad for p in model.parameters()] == before  # gradients returned, not accumulated
 
 
 def test_hlo_leaves_the_users_compiled_function_alone():

@@ -2,8 +2,12 @@
 
 ``hlo``, ``cost_analysis`` and ``explain`` (``torch.tpu.compiler.*``) compile and run a fresh copy
 of ``fn`` on the given inputs, so they see every graph dynamo makes of it (graph breaks give
-several; with inputs that require grad, the backward is run too, to compile its graph), without
-touching the caches of the user's own ``torch.compile(fn)``. Graphs of callees that dynamo already
+several), without touching the caches of the user's own ``torch.compile(fn)``. Where ``fn``
+returns tensors that need gradients (inputs, parameters or captured tensors requiring grad), their
+backward is run too, with ``torch.autograd.grad`` so that no ``.grad`` changes, to compile the
+backward programs; each program is labelled forward, backward or inference. A training step that
+calls ``backward()`` (and ``optimizer.step()``) itself compiles its backward as it runs, and so
+changes what it would change when called: pass a copy of the model to keep it as it was. Graphs of callees that dynamo already
 compiled as separate frames (after a graph break inside the callee) are reused, so not shown.
 """
 
@@ -58,18 +62,30 @@ def _fresh(fn: Callable) -> Callable:
     return _clone(call, co_filename=f"<torchtpu.compiler: {_name(fn)}>")
 
 
-def _grad_leaves(fn: Callable, inputs: tuple) -> list[torch.Tensor]:
-    """The tensors a backward pass would reach: inputs and module parameters that require grad."""
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    if isinstance(fn, torch.nn.Module):
-        tensors += list(fn.parameters())
-    return [t for t in tensors if t.requires_grad]
+def _grad_leaves(outputs: Any) -> list[torch.Tensor]:
+    """The leaf tensors a backward pass of ``outputs`` would reach: inputs, module parameters and
+    tensors a closure holds (``lambda x: model(x).sum()``), found in the autograd graph itself."""
+    leaves, seen = {}, set()
+    stack = [t.grad_fn for t in torch.utils._pytree.tree_leaves(outputs)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it feeds
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
 
 
-def _run_backward(outputs: Any, leaves: list[torch.Tensor]) -> None:
-    """Differentiate the outputs (with ones) so aot_autograd compiles the backward graph."""
+def _run_backward(outputs: Any) -> None:
+    """Differentiate the outputs (with ones) so aot_autograd compiles the backward graph; the
+    gradients are returned, not accumulated, so no ``.grad`` changes."""
     outs = [t for t in torch.utils._pytree.tree_leaves(outputs)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    leaves = _grad_leaves(outs)
     if outs and leaves:
         torch.autograd.grad(outs, leaves, [torch.ones_like(t) for t in outs], allow_unused=True)
 
@@ -105,8 +121,9 @@ def _capture(fn: Callable, inputs: tuple, backend: Any = "tpu") -> _Capture:
     before = set(cache._graphs)
     with _dumping() as directory:
         outputs = torch.compile(_fresh(fn), backend=backend)(*inputs)
-        _run_backward(outputs, _grad_leaves(_unwrap(fn), inputs))
-        graphs = sorted((g for g in cache._graphs if g not in before), key=_order)
+        _run_backward(outputs)
+        # graphs that compiled (a backward that never ran has a graph but no program yet)
+        graphs = sorted((g for g in cache._graphs if g not in before and g.executables), key=_order)
         texts = {g.name: _read_dump(directory, g.name) for g in graphs}
     if not graphs:
         raise RuntimeError(f"torch.compile made no XLA program of {_name(fn)} on these inputs "
