@@ -368,8 +368,11 @@ class Kernel:
 
     def compiled(self, key, device_index: int | None, setting: str | None = None):
         """The jitted program for a call's static ``key``; ``setting``: the matmul precision of an
-        op with dots (None for the others), pinned while it is traced."""
-        cache_key = (key, device_index, setting)
+        op with dots (None for the others), pinned while it is traced. Programs are also keyed on
+        ``torch.get_default_dtype()``: a lowering reads it while traced (a factory's dtype, what
+        int / int or a Python float promotes to), and JAX would reuse the trace after
+        ``torch.set_default_dtype``."""
+        cache_key = (key, device_index, setting, _default_dtype())
         fn = self._jitted.get(cache_key)
         if fn is None:
             fn = self._jitted[cache_key] = self._build(key, device_index, setting)
@@ -415,7 +418,7 @@ class Kernel:
             index = _device_index(call, kwargs, self.sig)
             fn = self.compiled(call.key, index, setting)
         else:
-            fn = self._jitted.get((call.key, None, setting)) or self.compiled(call.key, None, setting)
+            fn = self._jitted.get((call.key, None, setting, _default_dtype())) or self.compiled(call.key, None, setting)
         dyn = call.dyn
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
@@ -444,9 +447,10 @@ class Kernel:
             return self.run(args, kwargs)
         del array
         setting = precision.setting() if self.dots else None
-        fn = self._donating.get((call.key, setting))
+        cache_key = (call.key, setting, _default_dtype())  # (the default dtype: as in ``compiled``)
+        fn = self._donating.get(cache_key)
         if fn is None:
-            fn = self._donating[(call.key, setting)] = self._build_donating(call.key, setting, dyn)
+            fn = self._donating[cache_key] = self._build_donating(call.key, setting, dyn)
         if fn is _NOT_DONATABLE:
             return self.run(args, kwargs)
         _op_counts[self.name] += 1
@@ -489,6 +493,7 @@ def _device_index(call: Call, kwargs, sig: _Signature) -> int:
 
 
 _current_device = state.current_device
+_default_dtype = torch.get_default_dtype
 
 
 def wrap_outputs(out, index: int, sig: _Signature):
@@ -594,9 +599,10 @@ class ForeachKernel:
                tuple((name, self._take(a, dyn, reader)) for name, a in kwargs.items()))
         if reader.device is None:
             raise RuntimeError(f"tpu: {self.name} got no tpu tensors")
-        fn = self._jitted.get(key)
+        cache_key = (key, _default_dtype())  # traced in (promotion of Python floats): as in ``Kernel.compiled``
+        fn = self._jitted.get(cache_key)
         if fn is None:
-            fn = self._jitted[key] = self._build(key)
+            fn = self._jitted[cache_key] = self._build(key)
         _op_counts[self.name] += 1
         return reader.device, modes.execute(self, fn, dyn, reader.device)
 
@@ -658,6 +664,33 @@ class OutKernel:
             if tuple(out.shape) != tuple(value.shape):
                 resize(out, value.shape)
             bridge.write(out, value)
+
+
+class FactoryOutKernel:
+    """A factory's ``out=`` overload (``arange.start_out``, ``linspace.out``, ``range.out``,
+    ``randperm.generator_out``): the functional kernel run in ``out``'s dtype, written as
+    PyTorch's own kernels write it. They resize ``out`` to the result's length only when its
+    element count differs (``exact``: whenever its shape is not the length's, as randperm does);
+    otherwise the values fill ``out``'s elements in order, whatever its shape and strides (a
+    narrowed or transposed view keeps its geometry and its neighbours keep their values)."""
+
+    def __init__(self, functional: Kernel, exact: bool = False):
+        self.functional = functional
+        self.exact = exact
+
+    def __call__(self, *args, **kwargs):
+        out = kwargs.pop("out")
+        if out.device.type != "tpu":
+            raise device_mismatch(torch.device("tpu", 0), out.device)
+        _, value = self.functional.run(args, {**kwargs, "dtype": out.dtype})
+        shape = tuple(value.shape)
+        if tuple(out.shape) != shape:
+            if self.exact or out.numel() != math.prod(shape):
+                resize(out, shape)
+            else:
+                value = bridge.apply(bridge._reshape(tuple(out.shape)), value)
+        bridge.write(out, value)
+        return out
 
 
 def resize(t: torch.Tensor, shape) -> None:

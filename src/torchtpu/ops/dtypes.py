@@ -41,7 +41,10 @@ def _meta(dtype: torch.dtype, ndim: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8192)
-def _promote(sig: tuple, kind: str) -> tuple[torch.dtype, torch.dtype]:
+def _promote(sig: tuple, kind: str, default: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    # ``default``: torch.get_default_dtype(), which decides what a Python float (and an int with
+    # INT_TO_FLOAT) promotes to; keyed on, or a result cached under float32 stays after
+    # torch.set_default_dtype(torch.float64)
     args = [_meta(*value) if tag == "t" else value(1) for tag, value in sig]
     return elementwise_dtypes(*args, type_promotion_kind=_KINDS[kind])
 
@@ -62,7 +65,7 @@ def promote(*args, kind: str = "DEFAULT") -> tuple[np.dtype, np.dtype]:
     ALWAYS_BOOL, COMPLEX_TO_FLOAT, BOOL_TO_LONG or NO_OPMATH.
     """
     sig = tuple(_sig_of(a) for a in args if a is not None)
-    compute, result = _promote(sig, kind)
+    compute, result = _promote(sig, kind, torch.get_default_dtype())
     return to_jax_dtype(compute), to_jax_dtype(result)
 
 
