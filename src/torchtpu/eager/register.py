@@ -8,7 +8,7 @@ from torch._ops import OpOverload
 
 from torchtpu import metrics
 from torchtpu.device import registration
-from torchtpu.eager import attention, dispatch, fallback, fused, modes, transfer, views
+from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import foreach, registry
 from torchtpu.runtime import state, streams
 
@@ -82,11 +82,27 @@ def kernels() -> dict[OpOverload, object]:
             else:
                 out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
                 KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
+    for out, (functional, exact) in _FACTORY_OUTS.items():
+        if functional in KERNELS and out not in lowerings:
+            KERNELS[out] = dispatch.FactoryOutKernel(KERNELS[functional], exact)
     KERNELS.update(attention.kernels())
     KERNELS.update(_foreach_kernels())
     KERNELS.update(views.KERNELS)
     KERNELS.update(transfer.KERNELS)
     return KERNELS
+
+
+# Factories' out= overloads, which take no dtype (out's is used) and so are no variant of their
+# functional overload; without a kernel they reach the fallback, whose decompositions resize a
+# view ``out`` of the right size (writing the wrong elements) and whose CPU run cannot resize a
+# tpu storage. (out= overload: (functional overload, resize unless out is already 1-D of the length))
+_FACTORY_OUTS = {
+    aten.arange.start_out: (aten.arange.start_step, False),
+    aten.linspace.out: (aten.linspace.default, False),
+    aten.logspace.out: (aten.logspace.default, False),
+    aten.range.out: (aten.range.step, False),
+    aten.randperm.generator_out: (aten.randperm.generator, True),
+}
 
 
 def _foreach_kernels() -> dict[OpOverload, object]:
@@ -135,7 +151,8 @@ def install() -> None:
 
 def _impl(lib: torch.library.Library, op: OpOverload, kernel) -> None:
     name = op._schema.name.split("::")[1]
-    lib.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}", kernel, "PrivateUse1")
+    lib.impl(name if op._overloadname == "default" else f"{name}.{op._overloadname}",
+             argument_errors.guarded(op, kernel), "PrivateUse1")
 
 
 def add(op: OpOverload) -> None:

@@ -14,6 +14,15 @@ def _dtype(dtype, default):
     return to_jax_dtype(dtype if dtype is not None else (default or torch.get_default_dtype()))
 
 
+def _default_complex():
+    """The complex dtype of ``torch.get_default_dtype()`` (complex64 for float32, complex128 for
+    float64), what PyTorch gives a factory of complex Python numbers."""
+    import torch
+
+    return {torch.float64: torch.complex128, torch.float16: torch.complex32}.get(torch.get_default_dtype(),
+                                                                                 torch.complex64)
+
+
 @lowering(aten.fill.Scalar)
 def fill_scalar(x, value):
     return jnp.full(x.shape, value, dtype=x.dtype)
@@ -35,7 +44,8 @@ def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=N
 
     if dtype is None:
         kind = _py_kind(fill_value)
-        dtype = {bool: torch.bool, int: torch.int64, complex: torch.complex64}.get(kind, torch.get_default_dtype())
+        dtype = {bool: torch.bool, int: torch.int64}.get(kind) or \
+            (_default_complex() if kind is complex else torch.get_default_dtype())
     return jnp.full(tuple(size), fill_value, dtype=to_jax_dtype(dtype))
 
 
@@ -54,19 +64,57 @@ def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s).astype(_dtype(dtype, None))
 
 
+def _check_range(start, end, step) -> None:
+    """PyTorch's checks of arange's and range's bounds, with its wording."""
+    import math
+
+    if step == 0:
+        raise RuntimeError("step must be nonzero")
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise RuntimeError(f"unsupported range: {start} -> {end}")
+    if not ((step > 0 and end >= start) or (step < 0 and end <= start)):
+        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+
+
+def _as_number(v):
+    return v if isinstance(v, (bool, int, float)) else (int(v) if _py_kind(v) in (bool, int) else float(v))
+
+
+def _steps(start, step, n: int, jdt):
+    """``start + i * step`` for i < n, as PyTorch's CPU kernels compute it: in double for floating
+    dtypes, and in int64 for integral ones, whose bounds and step are truncated to integers first
+    (``arange(0, 2, 0.5, dtype=torch.int64)`` is all zeros there)."""
+    if jnp.issubdtype(jdt, jnp.integer):
+        return (int(start) + jnp.arange(n, dtype=jnp.int64) * int(step)).astype(jdt)
+    return (start + jnp.arange(n, dtype=jnp.float64) * step).astype(jdt)
+
+
 @lowering(aten.arange.start_step, static_scalars=True)
 def arange(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    import math
+
     import torch
 
     if dtype is None:
         kinds = {_py_kind(v) for v in (start, end, step)}
         dtype = torch.get_default_dtype() if float in kinds else torch.int64
     jdt = to_jax_dtype(dtype)
-    start, end, step = (float(v) if not isinstance(v, (int, float)) else v for v in (start, end, step))
-    import math
-
+    start, end, step = (_as_number(v) for v in (start, end, step))
+    _check_range(start, end, step)
     n = max(0, math.ceil((end - start) / step))
-    return (start + jnp.arange(n, dtype=jnp.float64 if jnp.issubdtype(jdt, jnp.floating) else jnp.int64) * step).astype(jdt)
+    return _steps(start, step, n, jdt)
+
+
+@lowering(aten.range.step, aten.range.default, static_scalars=True)
+def range_(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """The deprecated ``torch.range``: ``end`` included, the default dtype unless given."""
+    jdt = _dtype(dtype, None)
+    start, end, step = (_as_number(v) for v in (start, end, step))
+    if jnp.issubdtype(jdt, jnp.integer):  # PyTorch computes in int64: bounds and step truncated first
+        start, end, step = int(start), int(end), int(step)
+    _check_range(start, end, step)
+    n = (end - start) // step + 1 if isinstance(step, int) else int((end - start) / step) + 1
+    return _steps(start, step, n, jdt)
 
 
 @lowering(aten.arange.default, static_scalars=True)
@@ -95,18 +143,24 @@ def eye(n, m=None, *, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n, n if m is None else m, dtype=_dtype(dtype, None))
 
 
-def _linspace(start, end, steps: int, dtype):
-    """PyTorch's linspace: the first half counts up from ``start``, the second down from ``end``."""
-    import numpy as np
+def _space_dtype(dtype, start, end):
+    """linspace's and logspace's dtype: the given one, else the default complex dtype when an
+    endpoint is complex, else the default dtype (as PyTorch infers it)."""
+    if dtype is None and any(jnp.iscomplexobj(v) for v in (start, end)):
+        return to_jax_dtype(_default_complex())
+    return _dtype(dtype, None)
 
+
+def _check_steps(steps: int) -> None:
     if steps < 0:
         raise RuntimeError("number of steps must be non-negative")
-    integral = jnp.issubdtype(dtype, jnp.integer)
-    compute = jnp.float64 if integral else dtype
-    # PyTorch converts the bounds to the output dtype first
-    start, end = (jnp.asarray(v).astype(dtype).astype(compute) for v in (start, end))
-    if steps <= 1:
-        return jnp.full((steps,), start, compute).astype(dtype)
+
+
+def _spaced(start, end, steps: int, compute):
+    """PyTorch's linspace of ``steps >= 2`` points in ``compute``: the first half counts up from
+    ``start``, the second down from ``end``."""
+    import numpy as np
+
     step = (end - start) / (steps - 1)
     idx = np.arange(steps)
     up = start + step * idx.astype(compute)
@@ -114,19 +168,46 @@ def _linspace(start, end, steps: int, dtype):
     return jnp.where(idx < steps // 2, up, down)
 
 
+def _bound(value, dtype):
+    """An endpoint as PyTorch's kernels take it: converted to the output dtype first (an integer
+    output truncates 2.7 to 2); a complex endpoint of a real dtype keeps its real part."""
+    value = jnp.asarray(value)
+    if jnp.iscomplexobj(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        value = jnp.real(value)
+    return value.astype(dtype)
+
+
 @lowering(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
           aten.linspace.Scalar_Tensor)
 def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
-    jdt = _dtype(dtype, None)
-    return _linspace(start, end, steps, jdt).astype(jdt)
+    jdt = _space_dtype(dtype, start, end)
+    _check_steps(steps)
+    # integral outputs step in double and truncate each point; the others compute in their dtype
+    compute = jnp.float64 if jnp.issubdtype(jdt, jnp.integer) else jdt
+    start, end = (_bound(v, jdt).astype(compute) for v in (start, end))
+    if steps <= 1:
+        return jnp.full((steps,), start, compute).astype(jdt)
+    return _spaced(start, end, steps, compute).astype(jdt)
 
 
 @lowering(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
           aten.logspace.Scalar_Tensor)
 def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
-    jdt = _dtype(dtype, None)
-    exponents = _linspace(start, end, steps, jnp.float64 if jnp.issubdtype(jdt, jnp.integer) else jdt)
-    return jnp.power(jnp.asarray(base, jnp.float64), exponents.astype(jnp.float64)).astype(jdt)
+    """``base ** linspace(start, end)`` as PyTorch's CPU kernel computes it: real outputs take
+    their endpoints in the output dtype (truncated, for integers) and the exponents and powers in
+    double; complex outputs compute in their dtype; a single point is ``base ** start`` of the
+    endpoint as given."""
+    jdt = _space_dtype(dtype, start, end)
+    _check_steps(steps)
+    complex_out = jnp.issubdtype(jdt, jnp.complexfloating)
+    compute = jdt if complex_out else jnp.float64
+    if steps <= 1:
+        first = jnp.asarray(start).astype(jnp.complex128 if complex_out else jnp.float64)
+        value = jnp.power(jnp.asarray(base, first.dtype), first)
+        return jnp.full((steps,), value).astype(jdt)
+    start, end = (_bound(v, jdt).astype(compute) for v in (start, end))
+    exponents = _spaced(start, end, steps, compute)
+    return jnp.power(jnp.asarray(base).astype(compute), exponents).astype(jdt)
 
 
 def _triangle_indices(select, row, col, offset, dtype):
