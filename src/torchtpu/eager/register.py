@@ -8,7 +8,7 @@ from torch._ops import OpOverload
 
 from torchtpu import metrics
 from torchtpu.device import registration
-from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, transfer, views
+from torchtpu.eager import argument_errors, attention, dispatch, dlpack, fallback, fused, modes, transfer, views
 from torchtpu.ops import foreach, registry
 from torchtpu.runtime import state, streams
 
@@ -138,6 +138,7 @@ def install() -> None:
     _libs.extend(libs.values())
     _libs.append(attention.install_autograd())  # SDPA chooses its backend above autograd
     registration.set_fallback(fallback.fallback)
+    dlpack.install()  # tpu tensors export a host copy (their data_ptr() addresses nothing)
     global _hooked
     if _hooked:  # a reinstall (after _uninstall): the hooks below are in place already
         return
