@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import warnings
 
 import jax
 from jax._src.array import ArrayImpl
@@ -672,11 +673,13 @@ class FactoryOutKernel:
     PyTorch's own kernels write it. They resize ``out`` to the result's length only when its
     element count differs (``exact``: whenever its shape is not the length's, as randperm does);
     otherwise the values fill ``out``'s elements in order, whatever its shape and strides (a
-    narrowed or transposed view keeps its geometry and its neighbours keep their values)."""
+    narrowed or transposed view keeps its geometry and its neighbours keep their values).
+    ``warn``: warn of a resize of a non-empty ``out``, as arange does."""
 
-    def __init__(self, functional: Kernel, exact: bool = False):
+    def __init__(self, functional: Kernel, exact: bool = False, warn: bool = False):
         self.functional = functional
         self.exact = exact
+        self.warn = warn
 
     def __call__(self, *args, **kwargs):
         out = kwargs.pop("out")
@@ -686,6 +689,12 @@ class FactoryOutKernel:
         shape = tuple(value.shape)
         if tuple(out.shape) != shape:
             if self.exact or out.numel() != math.prod(shape):
+                if self.warn and out.numel():
+                    warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is "
+                                  f"{out.numel()} which does not match the computed number of elements "
+                                  f"{shape[0]}. Note that this may occur as a result of rounding error. The out "
+                                  f"tensor will be resized to a tensor of shape ({shape[0]},).", UserWarning,
+                                  stacklevel=2)
                 resize(out, shape)
             else:
                 value = bridge.apply(bridge._reshape(tuple(out.shape)), value)

@@ -82,9 +82,9 @@ def kernels() -> dict[OpOverload, object]:
             else:
                 out_names = tuple(a.name for a in variant._schema.arguments if a.is_out)
                 KERNELS[variant] = dispatch.OutKernel(kernel, out_names)
-    for out, (functional, exact) in _FACTORY_OUTS.items():
+    for out, (functional, exact, warn) in _FACTORY_OUTS.items():
         if functional in KERNELS and out not in lowerings:
-            KERNELS[out] = dispatch.FactoryOutKernel(KERNELS[functional], exact)
+            KERNELS[out] = dispatch.FactoryOutKernel(KERNELS[functional], exact, warn)
     KERNELS.update(attention.kernels())
     KERNELS.update(_foreach_kernels())
     KERNELS.update(views.KERNELS)
@@ -95,13 +95,14 @@ def kernels() -> dict[OpOverload, object]:
 # Factories' out= overloads, which take no dtype (out's is used) and so are no variant of their
 # functional overload; without a kernel they reach the fallback, whose decompositions resize a
 # view ``out`` of the right size (writing the wrong elements) and whose CPU run cannot resize a
-# tpu storage. (out= overload: (functional overload, resize unless out is already 1-D of the length))
+# tpu storage. (out= overload: (functional overload, resize unless out is already 1-D of the
+# length, warn of a resize))
 _FACTORY_OUTS = {
-    aten.arange.start_out: (aten.arange.start_step, False),
-    aten.linspace.out: (aten.linspace.default, False),
-    aten.logspace.out: (aten.logspace.default, False),
-    aten.range.out: (aten.range.step, False),
-    aten.randperm.generator_out: (aten.randperm.generator, True),
+    aten.arange.start_out: (aten.arange.start_step, False, True),
+    aten.linspace.out: (aten.linspace.default, False, False),
+    aten.logspace.out: (aten.logspace.default, False, False),
+    aten.range.out: (aten.range.step, False, False),
+    aten.randperm.generator_out: (aten.randperm.generator, True, False),
 }
 
 

@@ -73,7 +73,7 @@ def _check_range(start, end, step) -> None:
     if not (math.isfinite(start) and math.isfinite(end)):
         raise RuntimeError(f"unsupported range: {start} -> {end}")
     if not ((step > 0 and end >= start) or (step < 0 and end <= start)):
-        raise RuntimeError("upper bound and larger bound inconsistent with step sign")
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
 
 
 def _as_number(v):
