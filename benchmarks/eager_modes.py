@@ -15,6 +15,7 @@ kernel sets (the dispatcher and a new tensor per op, measured in the same run).
     python benchmarks/eager_modes.py            # full size (GPT d_model 256, 4 layers, seq 128)
     python benchmarks/eager_modes.py --quick    # smaller models, for a fast look
     python benchmarks/eager_modes.py --tables reads    # only the read-every-step / read-at-the-end table
+    python benchmarks/eager_modes.py --tables feeds    # where the batch is transferred (same / in-loop / before)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,103 @@ def make_gpt_loop(config: GPTConfig, batch: int):
         return loss
 
     return step
+
+
+# ---------------------------------------------------------------- where the batch is transferred
+
+FEEDS = ("same batch", "in-loop .to", "on device first", "device batch list")
+DATA_MODELS = ("small GPT", "TransformerEncoder")
+
+
+class EncoderLM(torch.nn.Module):
+    """A 2-layer ``nn.TransformerEncoderLayer`` model as users write it (PyTorch's defaults:
+    dim_feedforward 2048, dropout 0.1), with token embeddings and a linear head."""
+
+    def __init__(self, vocab: int = 256, d_model: int = 64, n_layer: int = 2, dropout: float = 0.1):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, nhead=4, dropout=dropout, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.tok(idx)))
+
+
+def make_data_loop(model_name: str, feed: str, batch: int = 1, seq: int = 32, batches: int = 64,
+                   dropout: float | None = None):
+    """A training loop (AdamW) whose step takes its batch as ``feed`` says: the same device batch
+    every step; a new host batch each step, moved with ``.to("tpu")`` inside the step; a new
+    batch each step sliced from the whole data set moved to ``tpu`` before the loop
+    (``X = X.to("tpu")``, then ``X[i:i + batch]``); or one from a list of batches each moved to
+    ``tpu`` before the loop. ``dropout``: the model's (None: its default)."""
+    if model_name not in DATA_MODELS or feed not in FEEDS:
+        raise ValueError(f"make_data_loop: model_name one of {DATA_MODELS}, feed one of {FEEDS}")
+    torch.manual_seed(0)
+    vocab = 256
+    if model_name == "small GPT":
+        config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=2, n_head=4, d_model=64,
+                           dropout=dropout or 0.0)
+        model = GPT(config).to("tpu")
+    else:
+        model = EncoderLM(vocab, 64, 2, **({} if dropout is None else {"dropout": dropout})).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    data = torch.randint(0, vocab, (batches * batch, seq + 1))  # on the host
+    on_device = data.to("tpu") if feed == "on device first" else None
+    first = data[:batch].to("tpu") if feed == "same batch" else None
+    listed = [data[i:i + batch].to("tpu") for i in range(0, len(data), batch)] if feed == "device batch list" else None
+    count = [0]
+
+    def step():
+        i = count[0] % batches * batch
+        count[0] += 1
+        if feed == "same batch":
+            idx = first
+        elif feed == "in-loop .to":
+            idx = data[i:i + batch].to("tpu")
+        elif feed == "on device first":
+            idx = on_device[i:i + batch]
+        else:
+            idx = listed[i // batch]
+        x, y = idx[:, :-1], idx[:, 1:]
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def feeds_table(title: str, model_name: str, steps: int, rounds: int, warmup: int) -> dict:
+    """Steps/s of every feed in DEFER_NEVER and DEFER_AND_FUSE (loss read only after the last
+    step), a fresh model per variant, timed in interleaved rounds, and the fused programs compiled
+    during the timed rounds (0 once the program structure has settled)."""
+    print(f"\n## {title}\n")
+    variants = [(feed, mode) for feed in FEEDS for mode in ("DEFER_NEVER", "DEFER_AND_FUSE")]
+    runners = {}
+    for feed, mode in variants:
+        runners[feed, mode] = make_data_loop(model_name, feed)
+        _run(runners[feed, mode], mode, False, warmup)
+    times: dict = {v: [] for v in variants}
+    compiled: Counter = Counter()
+    for _ in range(rounds):
+        for v in variants:
+            before = fused.stats()["programs_compiled"]
+            times[v].append(_run(runners[v], v[1], False, steps) / steps)
+            compiled[v[0]] += fused.stats()["programs_compiled"] - before
+    rates = {v: 1 / statistics.median(t) for v, t in times.items()}
+    print("| batch | DEFER_NEVER steps/s | DEFER_AND_FUSE steps/s | fused / never | fused programs compiled in "
+          "timed rounds |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for feed in FEEDS:
+        never, fuse = rates[feed, "DEFER_NEVER"], rates[feed, "DEFER_AND_FUSE"]
+        print(f"| {feed} | {never:.1f} | {fuse:.1f} | {fuse / never:.2f}x | {compiled[feed]} |")
+    fused_rates = [rates[feed, "DEFER_AND_FUSE"] for feed in FEEDS]
+    print(f"\nDEFER_AND_FUSE: slowest feed / fastest = {min(fused_rates) / max(fused_rates):.2f} (target >= 0.90); "
+          f"lowest fused / never = {min(r / rates[f, 'DEFER_NEVER'] for f, r in zip(FEEDS, fused_rates)):.2f}x "
+          f"(target >= 1.3x)")
+    return rates
 
 
 # ---------------------------------------------------------------- timing
@@ -258,7 +357,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every mode")
-    parser.add_argument("--tables", default="mlp,gpt,reads,boundary", help="which tables, comma-separated")
+    parser.add_argument("--tables", default="mlp,gpt,reads,boundary,feeds", help="which tables, comma-separated")
     parser.add_argument("--reads", default="", choices=["", "every step", "at the end"],
                         help="the reads table's loops: only those that read this way (default: both)")
     args = parser.parse_args()
@@ -290,6 +389,12 @@ def main() -> None:
                         f"batch {gpt_batch}, AdamW): loss read every step or at the end",
                         lambda: make_gpt_loop(config, gpt_batch), steps=5, rounds=args.rounds, warmup=3,
                         reads=args.reads)
+    if "feeds" in tables:
+        for model_name, what in (("small GPT", "small GPT (d_model 64, 2 layers, seq 32, batch 1, AdamW)"),
+                                 ("TransformerEncoder", "2-layer nn.TransformerEncoderLayer model (d_model 64, "
+                                  "PyTorch's defaults: dim_feedforward 2048, dropout 0.1; seq 32, batch 1, AdamW)")):
+            feeds_table(f"Where the batch is transferred: {what}, loss read at the end", model_name,
+                        steps=10 if quick else 20, rounds=args.rounds, warmup=6)
     if "boundary" in tables:
         boundary_table("Small GPT read at the end in DEFER_AND_FUSE: which mechanism finds the step boundary",
                        lambda: make_gpt_loop(small, 1), steps=20, rounds=args.rounds, warmup=12)
