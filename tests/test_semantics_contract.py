@@ -307,3 +307,42 @@ def test_dlpack_consumers_and_errors():
     c = torch.arange(3.)
     torch.from_dlpack(torch.utils.dlpack.to_dlpack(c)).add_(1)
     assert_close(c, torch.arange(3.) + 1)
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_op_out_of_another_size_into_view():
+    """An op's out= view of another size is resized (from its offset, contiguous), as on the CPU."""
+    _check_out("narrow", lambda out, d: torch.add(torch.ones(3, device=d), 1, out=out))
+    _check_out("offset_row", lambda out, d: torch.sum(torch.ones(3, 2, device=d), dim=1, out=out))
+    _check_out("transpose", lambda out, d: torch.mul(torch.ones(2, 3, device=d), 2, out=out))
+
+
+def test_random_factories_follow_the_default_dtype():
+    previous = torch.get_default_dtype()
+    try:
+        for default in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(default)
+            for make in (torch.rand, torch.randn):
+                assert make(3, device="tpu").dtype == default
+            assert torch.empty(2, device="tpu").dtype == default
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_compiled_follows_the_default_dtype():
+    """A compiled function recompiles for another default dtype (Dynamo guards it): its programs
+    must not be the first default dtype's."""
+
+    def f(x, y):
+        return x / y + torch.ones(2, device=x.device) * 0.5, torch.arange(0, 2.0, device=x.device)
+
+    compiled = torch.compile(f, backend="tpu")
+    previous = torch.get_default_dtype()
+    try:
+        for default in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(default)
+            x, y = torch.tensor([1, 2]), torch.tensor([2, 2])
+            for got, want in zip(compiled(x.to("tpu"), y.to("tpu")), f(x, y)):
+                same(got, want)
+    finally:
+        torch.set_default_dtype(previous)

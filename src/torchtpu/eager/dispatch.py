@@ -31,7 +31,7 @@ import torch
 from torch._ops import OpOverload
 
 from torchtpu.device import bridge
-from torchtpu.eager import modes
+from torchtpu.eager import argument_errors, modes
 from torchtpu.ops import precision
 from torchtpu.ops.registry import Lowering
 from torchtpu.runtime import native, placement, platform, rng, state
@@ -367,15 +367,18 @@ class Kernel:
         self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes
         self._donating = caches.LRU("eager_donating_kernels", "kernel_cache_size")  # in-place variants
 
-    def compiled(self, key, device_index: int | None, setting: str | None = None):
+    def compiled(self, key, device_index: int | None, setting: str | None = None, call: tuple | None = None):
         """The jitted program for a call's static ``key``; ``setting``: the matmul precision of an
         op with dots (None for the others), pinned while it is traced. Programs are also keyed on
         ``torch.get_default_dtype()``: a lowering reads it while traced (a factory's dtype, what
         int / int or a Python float promotes to), and JAX would reuse the trace after
-        ``torch.set_default_dtype``."""
+        ``torch.set_default_dtype``. A new program's first ``call`` (args, kwargs) is checked by
+        PyTorch's meta kernel first (``argument_errors.validate``)."""
         cache_key = (key, device_index, setting, _default_dtype())
         fn = self._jitted.get(cache_key)
         if fn is None:
+            if call is not None:
+                argument_errors.validate(self.op, *call)
             fn = self._jitted[cache_key] = self._build(key, device_index, setting)
         return fn
 
@@ -417,9 +420,10 @@ class Kernel:
         setting = precision.setting() if self.dots else None
         if index is None:  # a factory: the device comes from its arguments or the current one
             index = _device_index(call, kwargs, self.sig)
-            fn = self.compiled(call.key, index, setting)
+            fn = self.compiled(call.key, index, setting, (args, kwargs))
         else:
-            fn = self._jitted.get((call.key, None, setting, _default_dtype())) or self.compiled(call.key, None, setting)
+            fn = self._jitted.get((call.key, None, setting, _default_dtype())) or \
+                self.compiled(call.key, None, setting, (args, kwargs))
         dyn = call.dyn
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
@@ -451,6 +455,7 @@ class Kernel:
         cache_key = (call.key, setting, _default_dtype())  # (the default dtype: as in ``compiled``)
         fn = self._donating.get(cache_key)
         if fn is None:
+            argument_errors.validate(self.op, args, kwargs)
             fn = self._donating[cache_key] = self._build_donating(call.key, setting, dyn)
         if fn is _NOT_DONATABLE:
             return self.run(args, kwargs)
