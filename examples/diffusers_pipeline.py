@@ -14,7 +14,11 @@ import argparse
 import time
 
 import torch  # `import torch` loads torchtpu
-from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+try:
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+except ImportError as error:
+    raise SystemExit(f"{error}. This example needs the diffusers extra: pip install 'torchtpu[diffusers]'") from None
 
 
 def build(size: int) -> DDPMPipeline:

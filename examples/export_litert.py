@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import litert_torch
 import numpy as np
 import torch  # `import torch` loads torchtpu
-from ai_edge_litert.interpreter import Interpreter
+
+try:
+    import litert_torch
+    from ai_edge_litert.interpreter import Interpreter
+except ImportError as error:
+    raise SystemExit(f"{error}. This example needs the litert extra: pip install 'torchtpu[litert]'") from None
 
 
 def tiny_net() -> torch.nn.Module:

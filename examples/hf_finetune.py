@@ -18,9 +18,13 @@ import time
 os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "tpu")
 
 import torch  # noqa: E402  (`import torch` loads torchtpu)
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer,  # noqa: E402
-                          TrainingArguments)
+
+try:
+    import accelerate  # noqa: F401  (Trainer needs it)
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+except ImportError as error:
+    raise SystemExit(f"{error}. This example needs the hf extra: pip install 'torchtpu[hf]'") from None
 
 CORPUS = str(importlib.resources.files("torchtpu") / "data" / "tiny_corpus.txt")
 
@@ -64,7 +68,8 @@ def main() -> None:
     data = Chunks(tokenizer(open(CORPUS).read())["input_ids"], length=64)
 
     training = TrainingArguments(args.out, per_device_train_batch_size=8, max_steps=args.steps, learning_rate=3e-3,
-                                 warmup_steps=5, logging_steps=10, report_to=[], save_strategy="no", seed=0)
+                                 warmup_steps=5, logging_steps=min(10, args.steps), report_to=[], save_strategy="no",
+                                 seed=0)
     print(f"training on {training.device} ({torch.tpu.get_device_name()}), {len(data)} blocks of 64 tokens")
     trainer = Trainer(model=model, args=training, train_dataset=data)
     start = time.perf_counter()

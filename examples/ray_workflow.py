@@ -15,8 +15,12 @@ import argparse
 import os
 import tempfile
 
-import ray
 import torch
+
+try:
+    import ray
+except ImportError as error:
+    raise SystemExit(f"{error}. This example needs the ray extra: pip install 'torchtpu[ray]'") from None
 
 # Ray Train's use_tpu=True with more than one worker wants a slice: an accelerator type and a
 # topology that Ray knows. A single-host one ("2x2": 4 chips, one host) needs no GCE metadata and

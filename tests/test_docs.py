@@ -1,10 +1,418 @@
-"""The README's environment-variable table is generated from the settings module."""
+"""What a new user meets first: the README and ``examples/``.
 
+- The README's environment-variable table is generated from the settings module.
+- Every fenced ``python`` block of the README runs, in a fresh namespace, and every ``bash``
+  block in ``bash -e``, unless ``SKIP`` names it (by its first line, spaces collapsed; by
+  ``"section :: first line"`` where several blocks start alike) with the reason. A new block
+  is run by default; one that fails turns the suite red. A fragment that assumes names defined
+  elsewhere (``model``, ``x``, ``loader``) gets them from ``SETUP``, run first in the same
+  namespace; the block itself runs as written. ``CHECK`` adds assertions after a few blocks.
+  Blocks run in this process (tracebacks give README line numbers) with its process-wide
+  settings restored afterwards, except those in ``OWN_PROCESS``, whose effect cannot be undone.
+- Every ``examples/*.py`` runs as ``python examples/X.py`` (with arguments that shorten it), and
+  one that needs an extra says which to install, rather than ending in an ImportError traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+import torch
 
 from torchtpu.config import env_table
 
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+EXAMPLES = ROOT / "examples"
+
+PYTHON = {"python", "py", "python3"}
+SHELL = {"bash", "sh", "shell", "console"}
+
 
 def test_readme_env_table_matches_settings():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert env_table() in readme, "regenerate the README table with `torchtpu info --env`"
+    assert env_table() in README.read_text(), "regenerate the README table with `torchtpu info --env`"
+
+
+# ---------------------------------------------------------------- the README's code blocks
+
+@dataclass(frozen=True)
+class Block:
+    lang: str      # "python" or "bash"
+    line: int      # the README line of its first code line (1-based)
+    section: str   # the "## " heading it is under
+    source: str
+
+    @property
+    def first_line(self) -> str:
+        """Its first non-blank line, spaces collapsed."""
+        return next((" ".join(line.split()) for line in self.source.splitlines() if line.strip()), "")
+
+    def named(self, name: str) -> bool:
+        """Whether a SKIP, SETUP, CHECK or OWN_PROCESS entry names it: by its first line, or by
+        ``"section :: first line"`` where several blocks start alike (``import torch``)."""
+        return name in (self.first_line, f"{self.section} :: {self.first_line}")
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The README's fenced python and shell blocks (a fence without a language is not code)."""
+    blocks, section, fence = [], "", None
+    for number, line in enumerate(text.splitlines(), 1):
+        if fence is None:
+            if line.startswith("## "):
+                section = line[3:].strip()
+            elif line.startswith("```"):
+                fence = (line[3:].strip().lower(), number + 1, [])
+        elif line.startswith("```"):
+            lang, start, body = fence
+            fence = None
+            if lang in PYTHON or lang in SHELL:
+                blocks.append(Block("python" if lang in PYTHON else "bash", start, section, "\n".join(body) + "\n"))
+        else:
+            fence[2].append(line)
+    assert fence is None, f"README.md: the code fence opened at line {fence[1] - 1} is never closed"
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+# Blocks that do not run here, by first line, with the reason. Each must name a README block.
+SKIP = {
+    "pip install -e . && torchtpu demo # install, then run the main job":
+        "installs the package (the tests run in the installed checkout); `torchtpu demo` takes minutes",
+    "import os, torch":  # Hugging Face
+        "needs the hf extra and a checkpoint `path`, `ids`, a tokenizer and a data set; tests/test_hf.py "
+        "checks each of its lines against CPU",
+    "pipe = DiTPipeline.from_pretrained(path).to(\"tpu\") # or DDPMPipeline, ...":
+        "needs the diffusers extra and a checkpoint `path`; tests/test_diffusers.py runs the DiT pipeline",
+    "import litert_torch":
+        "needs the litert extra (litert-torch, ai-edge-litert); tests/test_litert.py converts and runs a model",
+    "from transformers import AutoModelForSequenceClassification":
+        "needs the hf and litert extras and a checkpoint `path`",
+    "tools/vllm_env.sh && source /tmp/vllmenv/bin/activate":
+        "builds a venv with vLLM and starts a server; tests/test_vllm.py (skipped without vLLM)",
+    "source /tmp/titanenv/bin/activate":
+        "needs the venv tools/torchtitan_env.sh builds; tests/test_torchtitan.py (slow) runs these commands",
+    "tools/sglang_env.sh && source /tmp/sglangenv/bin/activate":
+        "builds a venv with SGLang and starts a server; tests/test_sglang.py (skipped without SGLang)",
+}
+
+# The names a fragment assumes, defined before it runs (in the same namespace).
+_MODEL = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("tpu")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x, y = torch.randn(8, 16, device="tpu"), torch.randint(0, 4, (8,), device="tpu")
+"""
+SETUP = {
+    "Quick start :: import torch": """
+import torch
+class MyModel(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(4, 2)
+def train_step(x):
+    return (x * 2).sum()
+""",
+    "torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE # property: the process default":
+        "import torch",
+    "model = GPT(config).to(\"tpu\")": """
+import torch
+import torch.nn.functional as F
+config = 64  # the vocabulary
+def GPT(vocab):
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, 32), torch.nn.Linear(32, vocab))
+x, y = torch.randint(0, 64, (2, 8), device="tpu"), torch.randint(0, 64, (2, 8), device="tpu")
+""",
+    "g = torch.tpu.TPUGraph()": """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 64), torch.nn.ReLU()).to("tpu")
+loader = [torch.randn(64, 512) for _ in range(2)]
+""",
+    "@torch.tpu.compile_step": _MODEL + """
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+loader = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]  # warm-up, capture, replay
+""",
+    "with torch.autocast(\"tpu\"): # bfloat16 by default on tpu; dtype=torch.float16 too": _MODEL,
+    "from torch.nn.attention.flex_attention import create_block_mask, flex_attention": """
+import torch
+B, H, L, E = 1, 2, 128, 16
+q, k, v = (torch.randn(B, H, L, E, device="tpu") for _ in range(3))
+""",
+    "@torchtpu.jax_op(\"mylib::rms_norm\") # or torch.tpu.jax_op; no name: from module/qualname": """
+import jax
+import torch
+import torchtpu
+x, w = torch.randn(4, 8, device="tpu"), torch.rand(8, device="tpu")
+""",
+    "# torchrun --standalone --nproc-per-node 4 train.py": """
+import os, socket
+import torch
+with socket.socket() as s:  # what torchrun would set, for a world of one process
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port))
+class Transformer(torch.nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(cfg, cfg) for _ in range(2))
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+cfg = 8
+""",
+}
+
+# Assertions after a block, in its namespace.
+CHECK = {
+    "import torch # torchtpu loads itself (torch.backends entry point)": """
+assert x.device.type == "tpu" and type(x) is torch.Tensor and torch.isfinite(loss).item()
+""",
+    "Quick start :: import torch": """
+assert b.tolist() == [[1.0, 3.0], [2.0, 4.0], [3.0, 5.0]] and model.weight.device.type == "tpu"
+assert step(torch.ones(3, device="tpu")).item() == 6.0
+""",
+    "g = torch.tpu.TPUGraph()": """
+torch.testing.assert_close(static_y.cpu(), model(loader[-1].to("tpu")).cpu())
+""",
+    "@torch.tpu.compile_step": """
+assert torch.isfinite(loss).item() and not step.recaptures
+""",
+    "from torch.nn.attention.flex_attention import create_block_mask, flex_attention": """
+torch.testing.assert_close(out.cpu(), flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask).cpu())
+""",
+    "@torchtpu.jax_op(\"mylib::rms_norm\") # or torch.tpu.jax_op; no name: from module/qualname": """
+expected = x.cpu() * torch.rsqrt((x.cpu() ** 2).mean(-1, keepdim=True) + 1e-6) * w.cpu()
+torch.testing.assert_close(y.cpu(), expected)
+torch.testing.assert_close(torch.ops.mylib.rms_norm(x, w).cpu(), expected)
+""",
+    "# torchrun --standalone --nproc-per-node 4 train.py": """
+import torch.distributed as dist
+model(torch.randn(4, cfg, device="tpu")).sum().backward()
+assert dist.get_backend() == "tpu" and all(p.grad is not None for p in model.parameters())
+dist.destroy_process_group()
+""",
+}
+
+# Blocks run in a process of their own: what they change cannot be undone in this one.
+OWN_PROCESS = {
+    "@torchtpu.jax_op(\"mylib::rms_norm\") # or torch.tpu.jax_op; no name: from module/qualname":
+        "defines the op mylib::rms_norm, which a process can define once",
+}
+
+
+def _entry(table: dict[str, str], block: Block) -> str | None:
+    return next((value for name, value in table.items() if block.named(name)), None)
+
+
+def _names_problems() -> list[str]:
+    """Entries of SKIP, SETUP, CHECK and OWN_PROCESS that do not name exactly one README block."""
+    problems = []
+    for table in ("SKIP", "SETUP", "CHECK", "OWN_PROCESS"):
+        for name in globals()[table]:
+            found = [f"README.md:{b.line}" for b in BLOCKS if b.named(name)]
+            if len(found) != 1:
+                problems.append(f"{table}[{name!r}] names {len(found)} README blocks {found}: give it the block's "
+                                "first line (\"section :: first line\" where several start alike)")
+    return problems
+
+
+def test_readme_block_names_are_current():
+    """Every entry of SKIP, SETUP, CHECK and OWN_PROCESS names one README block: an edited block's
+    entries must follow it, and a removed block's go."""
+    assert not _names_problems(), "\n".join(_names_problems())
+    skipped = [b for b in BLOCKS if _entry(SKIP, b) is not None]
+    assert not [b for b in skipped if _entry(SETUP, b) or _entry(CHECK, b) or _entry(OWN_PROCESS, b)], \
+        "a skipped block has set-up or checks"
+
+
+def _block_id(block: Block) -> str:
+    same = [b for b in BLOCKS if b.section == block.section]
+    suffix = f"-{same.index(block) + 1}" if len(same) > 1 else ""
+    section = re.sub(r"[^A-Za-z0-9]+", "_", block.section).strip("_") or "intro"
+    return f"{block.lang}:{section}{suffix}"
+
+
+def _script(block: Block) -> tuple[str, str]:
+    """The set-up, and the block padded with blank lines so that its line numbers are the README's."""
+    return _entry(SETUP, block) or "", "\n" * (block.line - 1) + block.source
+
+
+@pytest.fixture
+def process_settings():
+    """Restore what a README block may set for the whole process (eager mode, matmul precision,
+    default dtype and device index, the environment and working directory, the default process
+    group)."""
+    import torch.distributed as dist
+
+    saved = (torch.tpu.eager_mode, torch.get_float32_matmul_precision(), torch.get_default_dtype(),
+             torch.tpu.current_device(), dict(os.environ), os.getcwd())
+    yield
+    torch.tpu.synchronize()
+    torch.tpu.eager_mode, precision, dtype, device, environ, cwd = saved
+    torch.set_float32_matmul_precision(precision)
+    torch.set_default_dtype(dtype)
+    torch.tpu.set_device(device)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_in_process(block: Block, tmp_path: Path) -> None:
+    setup, code = _script(block)
+    namespace = {"__name__": "__readme__"}
+    os.chdir(tmp_path)  # a block that writes files writes them here
+    failure = None
+    try:
+        exec(compile(setup, "<SETUP>", "exec"), namespace)
+        exec(compile(code, str(README), "exec"), namespace)
+        exec(compile(_entry(CHECK, block) or "", "<CHECK>", "exec"), namespace)
+    except Exception:  # the traceback from the block on (pytest's would print the README from its top)
+        failure = traceback.format_exc()
+    if failure:
+        pytest.fail(f"README.md:{block.line} ({block.section}) failed:\n{failure}", pytrace=False)
+
+
+def _run_in_subprocess(block: Block, tmp_path: Path) -> None:
+    setup, code = _script(block)
+    runner = textwrap.dedent(f"""
+        import sys
+        namespace = {{"__name__": "__readme__"}}
+        for source, filename in zip(sys.argv[1:4], ("<SETUP>", {str(README)!r}, "<CHECK>")):
+            exec(compile(open(source).read(), filename, "exec"), namespace)
+        """)
+    paths = []
+    for name, text in (("setup.py", setup), ("block.py", code), ("check.py", _entry(CHECK, block) or "")):
+        (tmp_path / name).write_text(text)
+        paths.append(str(tmp_path / name))
+    proc = subprocess.run([sys.executable, "-c", runner, *paths], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"README.md:{block.line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[_block_id(b) for b in BLOCKS])
+def test_readme_block_runs(block: Block, tmp_path, request):
+    # a stale SKIP name must not let an install or a server run
+    assert not _names_problems(), "see test_readme_block_names_are_current"
+    if _entry(SKIP, block) is not None:
+        pytest.skip(_entry(SKIP, block))
+    if block.lang == "bash":
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.source], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"README.md:{block.line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    elif _entry(OWN_PROCESS, block) is not None:
+        _run_in_subprocess(block, tmp_path)
+    else:
+        request.getfixturevalue("process_settings")
+        _run_in_process(block, tmp_path)
+
+
+# ---------------------------------------------------------------- examples/*.py
+
+# Arguments that shorten a run ({tmp}: the test's temporary directory); an example not listed
+# runs with none.
+ARGS = {
+    "train_mlp.py": ["--steps", "30"],
+    "train_gpt_compiled.py": ["--steps", "3"],
+    "train_fsdp.py": ["--steps", "2", "--log-every", "1"],
+    "hf_finetune.py": ["--steps", "2", "--out", "{tmp}"],
+    "diffusers_pipeline.py": ["--steps", "2", "--size", "16", "--batch", "1"],
+    "export_litert.py": ["--steps", "3", "--out", "{tmp}/net.tflite"],
+}
+# The extra an example needs, and the modules of it that the example imports, first import first.
+EXTRAS = {
+    "hf_finetune.py": ("hf", ["accelerate", "tokenizers", "transformers"]),
+    "diffusers_pipeline.py": ("diffusers", ["diffusers"]),
+    "export_litert.py": ("litert", ["litert_torch", "ai_edge_litert"]),
+    "ray_workflow.py": ("ray", ["ray"]),
+}
+# Examples run elsewhere, with the reason.
+RUN_ELSEWHERE = {
+    "ray_workflow.py": "tests/test_ray.py runs it (it starts a Ray cluster; skipped without the ray extra)",
+}
+# Runs over ~30 s on 2 cores.
+SLOW = {"hf_finetune.py"}  # its compiled generate; tests/test_hf.py checks the same calls
+
+EXAMPLE_FILES = sorted(path.name for path in EXAMPLES.glob("*.py"))
+
+
+def _new_user_env() -> dict[str, str]:
+    """This environment, without the test session's forced XLA:CPU device count: a new user's
+    machine has one XLA:CPU device."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else [])
+                                  for n in EXAMPLE_FILES])
+def test_example_runs(name: str, tmp_path):
+    if name in RUN_ELSEWHERE:
+        pytest.skip(RUN_ELSEWHERE[name])
+    extra, modules = EXTRAS.get(name, (None, []))
+    missing = [m for m in modules if not _installed(m)]
+    if missing:
+        pytest.skip(f"needs the {extra} extra ({', '.join(missing)} not installed); "
+                    "test_example_without_its_extra_says_which checks what it says")
+    args = [a.format(tmp=tmp_path) for a in ARGS.get(name, [])]
+    proc = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=_new_user_env(),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"python examples/{name} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_example_without_its_extra_says_which(name: str, monkeypatch):
+    """``python examples/X.py`` where the extra's first module is not installed (hidden here,
+    whether or not it is) ends with a message naming the extra, not an ImportError traceback.
+    The example's imports run in this process: up to the missing module, they are torch's and
+    the standard library's, and its module-level statements (environment defaults) are undone."""
+    import runpy
+
+    extra, modules = EXTRAS[name]
+    monkeypatch.setitem(sys.modules, modules[0], None)  # `import` of it raises ImportError
+    monkeypatch.setattr(sys, "argv", [f"examples/{name}"])
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as exit:
+            runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    # what Python prints for it, with exit status 1
+    assert isinstance(exit.value.code, str) and f"pip install 'torchtpu[{extra}]'" in exit.value.code, exit.value.code
+
+
+def test_examples_have_their_extras_listed():
+    """An example that imports a module of an extra is listed in EXTRAS (so that it is checked to
+    name the extra when the module is missing)."""
+    extras_modules = {"transformers": "hf", "diffusers": "diffusers", "litert_torch": "litert", "ray": "ray",
+                      "ai_edge_litert": "litert", "accelerate": "hf"}
+    for name in EXAMPLE_FILES:
+        imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", (EXAMPLES / name).read_text(), re.M))
+        needs = {extras_modules[m] for m in imported if m in extras_modules}
+        assert needs <= {EXTRAS.get(name, (None,))[0]}, f"examples/{name} imports modules of {needs}: add it to EXTRAS"
+    assert set(EXTRAS) | set(ARGS) | set(RUN_ELSEWHERE) | SLOW <= set(EXAMPLE_FILES), "an entry names no example"
