@@ -33,7 +33,7 @@ from torchtpu.config import config
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import capture, transfer
-from torchtpu.ops import precision
+from torchtpu.ops import checks, precision
 from torchtpu.runtime.dtypes import to_jax_dtype
 from torchtpu.runtime import placement, rng, state
 
@@ -82,9 +82,10 @@ class _Executable:
             key = base_key(flat[:nkey]) if nkey else None
             it = iter(flat[nkey:])
             values = [statics[i] if i in statics else next(it) for i in range(ninputs)]
-            with precision.tracing(setting, what):
+            with precision.tracing(setting, what), checks.collecting(graph.name) as found:
                 outputs, mutations = graph.fn(key, values)
-            return self._split_outputs(outputs), mutations
+            # the index checks' code (ops/checks.py); a program over a group of ranks returns none
+            return self._split_outputs(outputs), mutations, checks.code(found, always=False) if graph.ranks is None else None
 
         run.__name__ = graph.name
         what = f"a lowering in compiled graph {graph.name}"
@@ -114,7 +115,8 @@ class _Executable:
         self.assemble = [programs.assembler(a.shape, a.dtype, ranks) for a in inputs]
         position = _array_positions(self.statics, self.ninputs)
         mutated = [arrays[position[i]].ndim for i in graph.fn.mutated]
-        out_specs = ([programs.spec(k.ndim) for k in graph.outputs if k.tensor], [programs.spec(d) for d in mutated])
+        out_specs = ([programs.spec(k.ndim) for k in graph.outputs if k.tensor], [programs.spec(d) for d in mutated],
+                     None)
         body = jax.shard_map(run, mesh=programs.mesh(ranks), in_specs=tuple(programs.spec(a.ndim) for a in inputs),
                              out_specs=out_specs, check_vma=False)
         shapes = [jax.ShapeDtypeStruct(programs.global_shape(a.shape, len(ranks)), a.dtype,
@@ -126,7 +128,7 @@ class _Executable:
         (outputs, new values of the mutated inputs)."""
         if key_args:
             arrays = [placement.put(np.asarray(k), self.index) for k in key_args] + arrays
-        outputs, mutations = self.compiled(*(assemble(a) for assemble, a in zip(self.assemble, arrays)))
+        outputs, mutations, _ = self.compiled(*(assemble(a) for assemble, a in zip(self.assemble, arrays)))
         return [programs.local_shard(o) for o in outputs], [programs.local_shard(m) for m in mutations]
 
     def _split_outputs(self, outputs: list) -> list:
@@ -180,7 +182,8 @@ class CompiledGraph:
         setting = precision.setting() if self.fn.dots else None  # part of the executable's key
         executable = self._lookup(signature, statics, donate, arrays, key_args, index, setting)
         if self.ranks is None:
-            outputs, mutations = executable.compiled(*key_args, *arrays)
+            outputs, mutations, code = executable.compiled(*key_args, *arrays)
+            checks.defer(code, False)  # read at the next synchronisation, as eager's
         else:
             outputs, mutations = executable.run_spmd(key_args, arrays)
         del arrays

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from torchtpu.compile import collectives, flex_attention
-from torchtpu.ops import registry
+from torchtpu.ops import checks, registry
 from torchtpu.runtime import platform, rng
 
 aten = torch.ops.aten
@@ -139,6 +139,8 @@ class GraphFunction:
                 value = step.fn(*args, **kwargs)
             else:
                 op_key = jax.random.fold_in(key, step.random_index) if step.random_index >= 0 else None
+                if step.lowering.checked:
+                    checks.naming(str(node.target))
                 value = step.lowering.call(op_key, args, kwargs, plat)
             env[node] = value
             if node.target is aten.copy_.default and node.args[0] in place:

@@ -32,7 +32,7 @@ from torch._ops import OpOverload
 
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, modes
-from torchtpu.ops import precision
+from torchtpu.ops import checks, precision
 from torchtpu.ops.registry import Lowering
 from torchtpu.runtime import native, placement, platform, rng, state
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
@@ -364,6 +364,8 @@ class Kernel:
         self.sig = _Signature(self.op, lowering.static_scalars, lowering.dynamic)
         self.name = str(self.op)
         self.dots = lowering.dots  # its programs follow (and key on) the matmul precision setting
+        returns = self.op._schema.returns
+        self.single = len(returns) == 1 and not isinstance(returns[0].type, torch.ListType)
         self._jitted = caches.LRU("eager_kernels", "kernel_cache_size")  # bounded: static keys hold shapes
         self._donating = caches.LRU("eager_donating_kernels", "kernel_cache_size")  # in-place variants
 
@@ -385,16 +387,21 @@ class Kernel:
     def _build(self, key, device_index, setting, donate: bool = False):
         lowering, plat, what = self.lowering, platform.platform(), f"the lowering of {self.name}"
 
+        def compute(op_key, dyn):
+            args, kwargs = rebuild(key, dyn)
+            with precision.tracing(setting, what):
+                if not lowering.checked:
+                    return lowering.call(op_key, args, kwargs, plat)
+                with checks.collecting(self.name) as found:  # its index checks: one code, returned last
+                    out = lowering.call(op_key, args, kwargs, plat)
+                return (*out, checks.code(found)) if isinstance(out, (tuple, list)) else (out, checks.code(found))
+
         if lowering.random:
             def run(seed_hi, seed_lo, offset, *dyn):
-                args, kwargs = rebuild(key, dyn)
-                with precision.tracing(setting, what):
-                    return lowering.call(rng.make_key(seed_hi, seed_lo, offset), args, kwargs, plat)
+                return compute(rng.make_key(seed_hi, seed_lo, offset), dyn)
         else:
             def run(*dyn):
-                args, kwargs = rebuild(key, dyn)
-                with precision.tracing(setting, what):
-                    return lowering.call(None, args, kwargs, plat)
+                return compute(None, dyn)
 
         run.__name__ = self.name.replace(".", "_")
         if not self.lowering.jit:
@@ -428,7 +435,17 @@ class Kernel:
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
         _op_counts[self.name] += 1
-        return index, modes.execute(self, fn, dyn, index)
+        return index, self._execute(fn, dyn, index)
+
+    def _execute(self, fn, dyn, index):
+        """Run the program ``fn`` in the current mode; a checked op's code is handed to
+        ``checks.defer`` (read now where launches block, else at the next synchronisation)."""
+        out = modes.execute(self, fn, dyn, index)
+        if not self.lowering.checked:
+            return out
+        if not bridge.capturing:  # (a captured program's code would be read once, at capture)
+            checks.defer(out[-1], modes.current().mode is _BLOCKING)
+        return out[0] if self.single else tuple(out[:-1])
 
     def __call__(self, *args, **kwargs):
         index, out = self.run(args, kwargs)
@@ -460,7 +477,7 @@ class Kernel:
         if fn is _NOT_DONATABLE:
             return self.run(args, kwargs)
         _op_counts[self.name] += 1
-        return call.device, modes.execute(self, fn, dyn, call.device)
+        return call.device, self._execute(fn, dyn, call.device)
 
     def _build_donating(self, key, setting, dyn):
         """The program donating its first argument, or _NOT_DONATABLE when the result could not
@@ -468,6 +485,8 @@ class Kernel:
         target intact)."""
         fn = self._build(key, None, setting, donate=True)
         out = jax.eval_shape(fn, *dyn)
+        if self.lowering.checked:
+            out = out[0]
         same = isinstance(out, jax.ShapeDtypeStruct) and out.shape == dyn[0].shape and out.dtype == dyn[0].dtype
         return fn if same else _NOT_DONATABLE
 
@@ -499,6 +518,7 @@ def _device_index(call: Call, kwargs, sig: _Signature) -> int:
 
 
 _current_device = state.current_device
+_BLOCKING = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _default_dtype = torch.get_default_dtype
 
 

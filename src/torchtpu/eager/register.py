@@ -9,7 +9,7 @@ from torch._ops import OpOverload
 from torchtpu import metrics
 from torchtpu.device import registration
 from torchtpu.eager import argument_errors, attention, dispatch, dlpack, fallback, fused, modes, transfer, views
-from torchtpu.ops import foreach, registry
+from torchtpu.ops import checks, foreach, registry
 from torchtpu.runtime import state, streams
 
 aten = torch.ops.aten
@@ -147,6 +147,7 @@ def install() -> None:
     modes.install_fused(fused.FusedExecutor)
     metrics.register_source("fused_eager", fused.stats)
     streams.before_synchronize(lambda: modes.flush("synchronize"))
+    streams.before_synchronize(checks.raise_pending)  # after the flush: the codes of what it ran
     state.on_fork_child(_uninstall)
     registry.on_change(_forget_programs)
 

@@ -12,6 +12,7 @@ import torch
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes
+from torchtpu.ops import checks
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, to_jax_dtype
 from torchtpu.runtime import placement, state
 
@@ -69,7 +70,9 @@ def read_for_host(t: torch.Tensor, reason: str) -> jax.Array:
     executor = modes.current().executor
     if executor is not None:
         executor.flush(reason, wanted=(value,))
-    return value.materialize() if isinstance(value, bridge.Lazy) else value
+    value = value.materialize() if isinstance(value, bridge.Lazy) else value
+    checks.raise_pending()  # an op before this read indexed out of bounds: raise, as CUDA's assert does
+    return value
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

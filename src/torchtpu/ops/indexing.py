@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchtpu.ops import checks
 from torchtpu.ops.dtypes import is_float, is_integral, opmath
 from torchtpu.ops.registry import aten, lowering
 
@@ -110,16 +111,20 @@ def _add_at_where(x, keep, values):
     return x + jnp.where(keep, values, jnp.zeros((), x.dtype))
 
 
-def _split(indices):
+def _split(x, indices):
+    """The pattern of given indices and their arrays, each checked against its dim's size."""
+    for dim, i in enumerate(indices):
+        if i is not None and dim < x.ndim:
+            checks.in_bounds(i, x.shape[dim], dim)
     return tuple(True if i is not None else None for i in indices), [i for i in indices if i is not None]
 
 
-@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, graph_only=True)  # a graph's indices are integers: they trace
-@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, jit=False)
+@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, graph_only=True, checked=True)  # a graph's indices trace
+@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, jit=False, checked=True)
 def index(x, indices):
     if len(indices) > max(x.ndim, 1):
         raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
-    pattern, arrays = _split(_masks_to_indices(x, indices))
+    pattern, arrays = _split(x, _masks_to_indices(x, indices))
     return _gather(pattern)(x, *arrays)
 
 
@@ -131,8 +136,8 @@ def _single_mask(indices):
     return None
 
 
-@lowering(aten.index_put.default, aten._unsafe_index_put.default, graph_only=True)
-@lowering(aten.index_put.default, aten._unsafe_index_put.default, jit=False)
+@lowering(aten.index_put.default, aten._unsafe_index_put.default, graph_only=True, checked=True)
+@lowering(aten.index_put.default, aten._unsafe_index_put.default, jit=False, checked=True)
 def index_put(x, indices, values, accumulate=False):
     lead = _single_mask(indices)
     if lead is not None:  # the common x[mask] = v: traceable, no host sync
@@ -141,19 +146,21 @@ def index_put(x, indices, values, accumulate=False):
             raise IndexError(f"The shape of the mask {list(mask.shape)} at index 0 does not match the shape "
                              f"of the indexed tensor {list(x.shape)} at index {lead}")
         return _put_masked(lead, bool(accumulate), x, mask, values)
-    pattern, arrays = _split(_masks_to_indices(x, indices))
+    pattern, arrays = _split(x, _masks_to_indices(x, indices))
     return _put(pattern, bool(accumulate), x, jnp.asarray(values), *arrays)
 
 
-@lowering(aten._index_put_impl_.default, jit=False)
+@lowering(aten._index_put_impl_.default, jit=False, checked=True)
 def _index_put_impl(x, indices, values, accumulate=False, unsafe=False):
     return index_put(x, indices, values, accumulate)
 
 
 # ---------------------------------------------------------------- index_* along one dim
 
-def _along(x, dim: int, index):
-    """The index tuple that picks ``index`` along ``dim`` (x at least 1-d)."""
+def _along(x, dim: int, index, negative: bool = False):
+    """The index tuple that picks ``index`` along ``dim`` (x at least 1-d), checked against its
+    size (``negative``: counting from the end allowed)."""
+    checks.in_bounds(index, x.shape[dim], dim, negative)
     where = [slice(None)] * x.ndim
     where[dim] = index.reshape(-1)
     return tuple(where)
@@ -173,28 +180,29 @@ def _at_least_1d(fn):
     return wrapper
 
 
-@lowering(aten.index_select.default)
+@lowering(aten.index_select.default, checked=True)
 @_at_least_1d
 def index_select(x, dim, index):
+    checks.in_bounds(index, x.shape[dim], dim, negative=False)
     return jnp.take(x, index.reshape(-1), axis=dim, mode="clip")
 
 
-@lowering(aten.index_add.default)
+@lowering(aten.index_add.default, checked=True)
 @_at_least_1d
 def index_add(x, dim, index, source, *, alpha=1):
     return _add_at(x, _along(x, dim, index), source * alpha)
 
 
-@lowering(aten.index_copy.default)
+@lowering(aten.index_copy.default, checked=True)
 @_at_least_1d
 def index_copy(x, dim, index, source):
     return x.at[_along(x, dim, index)].set(source.astype(x.dtype))
 
 
-@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@lowering(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, checked=True)
 @_at_least_1d
 def index_fill(x, dim, index, value):
-    return x.at[_along(x, dim, index)].set(jnp.asarray(value).astype(x.dtype))
+    return x.at[_along(x, dim, index, negative=True)].set(jnp.asarray(value).astype(x.dtype))
 
 
 def _identity(reduce: str, dtype):
@@ -225,7 +233,7 @@ def _reduce_into(x, where, src, reduce: str, include_self: bool):
     return total // count if is_integral(x.dtype) else total / count
 
 
-@lowering(aten.index_reduce.default)
+@lowering(aten.index_reduce.default, checked=True)
 @_at_least_1d
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     return _reduce_into(x, _along(x, dim, index), source, reduce, include_self)
@@ -233,8 +241,10 @@ def index_reduce(x, dim, index, source, reduce, *, include_self=True):
 
 # ---------------------------------------------------------------- gather / scatter
 
-def _positions(index, dim: int):
-    """Scatter/gather coordinates: ``index`` along ``dim``, the element's own position elsewhere."""
+def _positions(index, dim: int, size: int):
+    """Scatter coordinates: ``index`` along ``dim`` (checked against its ``size``), the element's
+    own position elsewhere."""
+    checks.in_bounds(index, size, dim, negative=False)
     grid = list(np.indices(index.shape, sparse=True))
     grid[dim] = index
     return tuple(grid)
@@ -244,12 +254,13 @@ def _crop(src, shape):
     return src[tuple(slice(0, n) for n in shape)]
 
 
-@lowering(aten.gather.default)
+@lowering(aten.gather.default, checked=True)
 def gather(x, dim, index, *, sparse_grad=False):
     """The result has ``index``'s shape (also for 0-d ``x`` and empty ``index``)."""
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)
     dim = _dim(dim, x.ndim)
+    checks.in_bounds(index, x.shape[dim] if x.ndim else 1, dim, negative=False)
     x1, index1 = x.reshape(x.shape or (1,)), index.reshape(index.shape or (1,))
     shape = tuple(n if k != dim else x1.shape[k] for k, n in enumerate(index1.shape))
     return jnp.take_along_axis(_crop(x1, shape), index1, axis=dim, mode="clip").reshape(index.shape)
@@ -269,12 +280,12 @@ def _scatter(x, dim, index, src, method: str):
         index = index.reshape(1)
     src = _crop(src, index.shape) if hasattr(src, "ndim") and src.ndim else src
     if method == "add":
-        return _add_at(x, _positions(index, dim), src)
-    at = x.at[_positions(index, dim)]
+        return _add_at(x, _positions(index, dim, x.shape[dim]), src)
+    at = x.at[_positions(index, dim, x.shape[dim])]
     return getattr(at, method)(jnp.asarray(src).astype(x.dtype))
 
 
-@lowering(aten.scatter.src, aten.scatter.value)
+@lowering(aten.scatter.src, aten.scatter.value, checked=True)
 @_at_least_1d
 def scatter(x, dim, index, src):
     return _scatter(x, dim, index, src, "set")
@@ -283,7 +294,7 @@ def scatter(x, dim, index, src):
 _SCATTER_REDUCE = {"add": "add", "multiply": "multiply"}
 
 
-@lowering(aten.scatter.reduce, aten.scatter.value_reduce)
+@lowering(aten.scatter.reduce, aten.scatter.value_reduce, checked=True)
 @_at_least_1d
 def scatter_reduce_legacy(x, dim, index, src, *, reduce):
     if reduce not in _SCATTER_REDUCE:
@@ -291,34 +302,36 @@ def scatter_reduce_legacy(x, dim, index, src, *, reduce):
     return _scatter(x, dim, index, src, _SCATTER_REDUCE[reduce])
 
 
-@lowering(aten.scatter_add.default)
+@lowering(aten.scatter_add.default, checked=True)
 @_at_least_1d
 def scatter_add(x, dim, index, src):
     return _scatter(x, dim, index, src, "add")
 
 
-@lowering(aten.scatter_reduce.two)
+@lowering(aten.scatter_reduce.two, checked=True)
 @_at_least_1d
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     if index.size == 0:
         return x
     if index.ndim == 0:
         index = index.reshape(1)
-    return _reduce_into(x, _positions(index, dim), _crop(src, index.shape), reduce, include_self)
+    return _reduce_into(x, _positions(index, dim, x.shape[dim]), _crop(src, index.shape), reduce, include_self)
 
 
-@lowering(aten.put.default)
+@lowering(aten.put.default, checked=True)
 def put(x, index, source, accumulate=False):
     flat = x.reshape(-1)
+    checks.in_bounds(index, flat.size)
     index = jnp.where(index < 0, index + flat.size, index).reshape(-1)
     source = source.reshape(-1)
     out = _add_at(flat, index, source) if accumulate else flat.at[index].set(source.astype(x.dtype))
     return out.reshape(x.shape)
 
 
-@lowering(aten.take.default)
+@lowering(aten.take.default, checked=True)
 def take(x, index):
     flat = x.reshape(-1)
+    checks.in_bounds(index, flat.size)
     index = jnp.where(index < 0, index + flat.size, index)
     return jnp.take(flat, index, mode="clip")
 
@@ -704,10 +717,11 @@ def _kept(indices, padding_idx: int):
     return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
 
 
-@lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+@lowering(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, checked=True)
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     """(output, offset2bag, bag_size, max_indices) laid out as PyTorch's CPU kernel returns them."""
+    checks.in_bounds(indices, weight.shape[0], negative=False)
     bags, bag_of = _bags(indices, offsets, include_last_offset)
     keep = _kept(indices, padding_idx)
     rows = jnp.take(weight, indices, axis=0, mode="clip")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchtpu.ops import checks
 from torchtpu.ops.dtypes import opmath, promote, to_jax_dtype, to_torch_dtype
 from torchtpu.ops.dtypes import to_opmath as _up
 from torchtpu.ops.precision import matmul_precision
@@ -578,8 +579,9 @@ def rrelu_with_noise_functional(key, x, noise, lower=0.125, upper=1 / 3, trainin
     return (xf * new_noise).astype(x.dtype), new_noise.astype(noise.dtype)
 
 
-@lowering(aten.embedding.default)
+@lowering(aten.embedding.default, checked=True)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    checks.in_bounds(indices, weight.shape[0], negative=False)
     return jnp.take(weight, indices, axis=0, mode="clip")
 
 

@@ -64,6 +64,7 @@ class Lowering:
     view: bool = False  # a view op: eager shares the base's storage, graphs compute the value
     dots: bool = False  # fp32 dots/convolutions at torch's matmul precision: its programs key on it (precision.py)
     dynamic: tuple[str, ...] = ()  # float arguments passed as values, not compiled in (a scheduled lr)
+    checked: bool = False  # checks its indices on the device (ops/checks.py): programs return a code too
 
     def impl(self, platform: str | None = None) -> Callable:
         """The function that computes the op on ``platform``: its override, else the generic one."""
@@ -108,7 +109,7 @@ def _overloads(op) -> list[OpOverload]:
 def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool = True,
              mutates: tuple[str, ...] = (), view: bool = False, graph_only: bool = False,
              platform: str | None = None, dots: bool = False,
-             dynamic: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+             dynamic: tuple[str, ...] = (), checked: bool = False) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the JAX lowering of each aten overload in ``ops``.
 
     ``random``: ``fn`` takes a ``jax.random`` key first. ``static_scalars``: the op's ``Scalar``
@@ -128,6 +129,8 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
     ``dynamic``: names of ``float`` arguments that eager passes as 0-d values, like ``Scalar``
     arguments, instead of compiling them in: an optimizer's learning rate changes every step
     under a scheduler, and a static one would compile a new program each time.
+    ``checked=True``: ``fn`` checks its indices with ``checks.in_bounds`` and returns one array;
+    its eager programs return the checks' code after it (``ops/checks.py``).
     ``platform``: register ``fn`` as the op's override on that platform (the op must have, or
     later get, a generic lowering, which stays the reference). An op may also be a schema name
     string (``"prims::fma"``) for operators that may not exist yet when this runs.
@@ -145,7 +148,7 @@ def lowering(*ops, random: bool = False, static_scalars: bool = False, jit: bool
                 if overload in table:
                     raise ValueError(f"{overload} already has a lowering ({table[overload].fn.__module__})")
                 table[overload] = Lowering(overload, fn, random, static_scalars, jit, tuple(mutates), view, dots,
-                                           tuple(dynamic))
+                                           tuple(dynamic), checked)
         return fn
 
     return register
