@@ -83,8 +83,21 @@ def info_lines() -> list[str]:
         f"eager mode: {torch.tpu.eager_mode.name}",
         f"cpu fallback: {'on' if torch.tpu.is_cpu_fallback_enabled() else 'off'}",
         f"cache directory: {_cache_line(config.cache_dir)}",
+        f"persistent XLA cache: {persistent_cache_line()}",
     ]
     return lines
+
+
+def persistent_cache_line() -> str:
+    """Where XLA executables are kept, how much of the bound they fill, how many were evicted."""
+    from torchtpu.compile import cache
+
+    usage = cache.persistent_cache_usage(exact=True)
+    if not usage["directory"]:
+        return "off (TORCHTPU_CACHE_DIR is empty)"
+    bound = _human(usage["max_bytes"]) if usage["max_bytes"] else "no limit"
+    return (f"{usage['directory']}: {_human(usage['bytes'])} in {usage['entries']} entries of at most {bound} "
+            f"(TORCHTPU_CACHE_MAX_SIZE), {usage['evictions']} evicted so far")
 
 
 def distributed_lines() -> list[str]:

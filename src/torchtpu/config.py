@@ -7,6 +7,7 @@ one-line description; the README's table is generated from this list (``torchtpu
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +39,17 @@ def _count(raw: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(raw: str) -> int:
+    """Bytes: a whole number, or a number with a K, M, G or T suffix (powers of 1024; ``1.5G``)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", raw, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"expected a size in bytes such as 1073741824, 512M or 1G (0: no limit), got {raw!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
 def _warm_start(raw: str) -> str:
     value = raw.strip().lower()
     if value == "dynamo":
@@ -67,6 +79,7 @@ class Setting:
     parse: Callable[[str], Any]
     default: Callable[[], Any]
     help: str
+    shown: str = ""  # the default as the README's table writes it, where not the value itself
 
 
 SETTINGS = [
@@ -80,6 +93,9 @@ SETTINGS = [
             "run ops without a lowering on the CPU (with a warning) instead of raising"),
     Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
             "directory of the persistent compilation cache"),
+    Setting("cache_max_size", "TORCHTPU_CACHE_MAX_SIZE", _size, lambda: 1 << 30,
+            "bytes of XLA executables kept in the persistent compilation cache (`$TORCHTPU_CACHE_DIR/xla`, shared "
+            "by processes), least recently used deleted first; K/M/G suffixes (0: no limit)", shown="`1G`"),
     Setting("warm_start", "TORCHTPU_WARM_START", _warm_start, lambda: "aot",
             "what a new process reuses of torch.compile's work: `aot` (aot_autograd's graphs, PyTorch's AOTAutograd "
             "cache), `dynamo` (also dynamo's, PyTorch's experimental Dynamo cache, saved at exit) or `off`"),
@@ -137,7 +153,9 @@ def env_table() -> str:
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for s in SETTINGS:
         default = s.default()
-        if s.name == "cache_dir":
+        if s.shown:
+            shown = s.shown
+        elif s.name == "cache_dir":
             shown = "`~/.cache/torchtpu`"
         elif default == "":
             shown = "(auto)" if s.name == "platform" else "(unset)"
