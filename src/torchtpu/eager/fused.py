@@ -197,13 +197,13 @@ class FusedExecutor:
                 out_avals = jax.eval_shape(fn, *[_spec(a) for a in args])
                 single = not isinstance(out_avals, (tuple, list))
                 info = _avals_cache[key] = (single, isinstance(out_avals, tuple), [
-                    (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
-                    for aval in ([out_avals] if single else out_avals)])
+                    None if aval is None else (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+                    for aval in ([out_avals] if single else out_avals)])  # None: an output the op has not
             single, is_tuple, flat = info
             node = len(graph.nodes)
             graph.nodes.append((fn, tuple(refs), len(flat)))
-            outs = [Deferred(graph, node, i, k) for i, k in enumerate(flat)]
-            graph.outputs.append([weakref.ref(d) for d in outs])
+            outs = [None if k is None else Deferred(graph, node, i, k) for i, k in enumerate(flat)]
+            graph.outputs.append([_no_value if d is None else weakref.ref(d) for d in outs])
             if self.period is not None:
                 self._follow_period(fn)
             elif node + 1 >= self.check_at:
@@ -307,6 +307,11 @@ class FusedExecutor:
         """The recorded, not yet run ops, by name, in order."""
         with self.lock:
             return [getattr(fn, "__name__", repr(fn)) for fn, _, _ in self.graph.nodes]
+
+
+def _no_value() -> None:
+    """The reference kept for an output an op does not have (batch_norm's absent running stats)."""
+    return None
 
 
 def _lost(value: Deferred) -> RuntimeError:
