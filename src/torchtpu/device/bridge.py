@@ -243,17 +243,51 @@ def restride(t: torch.Tensor, storage, offset: int, size, stride) -> None:
 
 # ---------------------------------------------------------------- reading and writing
 
-def wrap(array: jax.Array, index: int = 0) -> torch.Tensor:
-    """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device)."""
+def wrap(array: jax.Array, index: int = 0, strides: tuple | None = None) -> torch.Tensor:
+    """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device);
+    ``strides``: its memory layout where not contiguous (a ``dense_layout``: the storage then holds
+    the array's dims in the layout's order, as PyTorch's memory would)."""
     shape = array.shape
     dtype = JAX_TO_TORCH[array.dtype]
     storage = new_storage(math.prod(shape) * dtype.itemsize, index)
     t = _shell(dtype, index)
-    _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
+    if strides is None:
+        _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
+    else:
+        _set_storage(_CPU, t, storage, 0, shape, list(strides))
+        array = apply(_permute(memory_order(strides)), array)
     storage._jax = array
     if capturing:
         _touched(storage)
     return t
+
+
+def dense_layout(shape, strides) -> tuple | None:
+    """``strides`` if they lay ``shape`` out densely in another order than the contiguous one
+    (channels_last, a transposed result), else None (contiguous, or not a permutation)."""
+    shape, strides = tuple(shape), tuple(strides)
+    if strides == _strides_of(shape) or 0 in shape:
+        return None
+    return strides if strides_in_order(shape, memory_order(strides)) == strides else None
+
+
+def memory_order(strides) -> tuple:
+    """The dims from the outermost in memory to the innermost (ties: in dim order)."""
+    return tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
+
+
+def strides_in_order(shape, order) -> tuple:
+    """The strides of a dense layout of ``shape`` whose dims lie in memory in ``order``."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+@functools.lru_cache(maxsize=256)
+def _permute(order: tuple):
+    return jax.jit(lambda x: jnp.transpose(x, order))
 
 
 def _covers_storage(t: torch.Tensor, array) -> bool:

@@ -24,6 +24,8 @@ import functools
 import torch
 from torch.utils import _pytree as pytree
 
+from torchtpu.runtime.dtypes import UnsupportedDtype
+
 # What JAX (and jnp helpers) raise for arguments they refuse while tracing.
 FOREIGN = (TypeError, ValueError, AssertionError)
 # The reference runs on the arguments' values up to this many elements in all, else on meta tensors.
@@ -44,6 +46,8 @@ def guarded(op, kernel):
     def call(*args, **kwargs):
         try:
             return kernel(*args, **kwargs)
+        except UnsupportedDtype:  # torchtpu's own refusal, already clear
+            raise
         except FOREIGN as exc:
             raise pytorch_error(op, exc, args, kwargs) from exc
 
@@ -65,6 +69,8 @@ def guarded(op, kernel):
             fn(bound)
         try:
             return kernel(*args, **kwargs)
+        except UnsupportedDtype:  # torchtpu's own refusal, already clear
+            raise
         except FOREIGN as exc:
             raise pytorch_error(op, exc, args, kwargs) from exc
 
@@ -72,22 +78,23 @@ def guarded(op, kernel):
     return checked
 
 
-def validate(op, args: tuple, kwargs: dict) -> None:
+def validate(op, args: tuple, kwargs: dict):
     """PyTorch's own checks of a call's shapes, dtypes and static arguments: its meta kernel, run
     on meta tensors of the call's geometry. Run once per eager program (the first call of each
     static key, where the lowering is traced anyway), so a call PyTorch refuses is refused here
     too, with PyTorch's exception, instead of computing an answer. A meta kernel's refusal is
     confirmed on the CPU, on the values (where they are too large to copy, or the CPU kernel
-    accepts the call, it stands: a meta kernel can be stricter than the CPU's)."""
+    accepts the call, it stands: a meta kernel can be stricter than the CPU's). Returns the meta
+    kernel's outputs (their strides are PyTorch's memory layout of the results), or None."""
     if op.namespace != "aten":
-        return
+        return None
     reference = _reference_args(args, kwargs, "meta")
     if reference is None:
-        return
+        return None
     try:
-        op(*reference[0], **reference[1])
+        return op(*reference[0], **reference[1])
     except NotImplementedError:  # no meta kernel (data-dependent ops): no verdict
-        return
+        return None
     except Exception as meta_error:  # noqa: BLE001 - PyTorch's verdict, whatever it is
         error = _cpu_verdict(op, args, kwargs)  # None also where too big to confirm: no verdict
         if error is not None:

@@ -60,6 +60,26 @@ class _Dyn:
 DYN = _Dyn()
 
 
+class _Strided:
+    """Placeholder for one dynamic array read from a tensor laid out otherwise than contiguously
+    (its strides: the program's outputs may follow them, as PyTorch's do)."""
+
+    __slots__ = ("strides", "_hash")
+
+    def __init__(self, strides: tuple):
+        self.strides = strides
+        self._hash = hash((_Strided, strides))
+
+    def __eq__(self, other):
+        return other.__class__ is _Strided and self.strides == other.strides
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"<array {self.strides}>"
+
+
 def _arg_kind(arg) -> int:
     text = str(arg.type)
     if text in ("Tensor", "Optional[Tensor]"):
@@ -293,7 +313,7 @@ def _read_into(t: torch.Tensor, dyn: list):
         dyn.append(_scalar(t.storage_offset()))
         return _view(tuple(shape), t.stride(), array.dtype)
     dyn.append(bridge.read(t))
-    return DYN
+    return DYN if t.is_contiguous() else _Strided(t.stride())
 
 
 # Scalars as cached device values: JAX converts a Python number or numpy scalar argument on every
@@ -341,7 +361,7 @@ def rebuild(key, dyn):
     it = iter(dyn)
 
     def value(k):
-        if k is DYN:
+        if k is DYN or k.__class__ is _Strided:
             return next(it)
         if k.__class__ is _View:
             return k.read(next(it), next(it))
@@ -379,9 +399,13 @@ class Kernel:
         cache_key = (key, device_index, setting, _default_dtype())
         fn = self._jitted.get(cache_key)
         if fn is None:
+            layouts = None
             if call is not None:
-                argument_errors.validate(self.op, *call)
-            fn = self._jitted[cache_key] = self._build(key, device_index, setting)
+                layouts = _layouts(argument_errors.validate(self.op, *call))
+            fn = self._build(key, device_index, setting)
+            if layouts is not None:  # its outputs are laid out as PyTorch lays them out (channels_last, ...)
+                fn = _LaidOut(fn, layouts)
+            self._jitted[cache_key] = fn
         return fn
 
     def _build(self, key, device_index, setting, donate: bool = False):
@@ -414,6 +438,11 @@ class Kernel:
 
     def run(self, args, kwargs):
         """Run the lowering on ``args``; returns (device index, raw JAX outputs)."""
+        index, out, _ = self._run(args, kwargs)
+        return index, out
+
+    def _run(self, args, kwargs):
+        """``run``, and the memory layouts PyTorch gives the outputs (None: contiguous)."""
         lowering = self.lowering
         generator = None
         if lowering.random and self.sig.generator is not None:
@@ -435,7 +464,7 @@ class Kernel:
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
         _op_counts[self.name] += 1
-        return index, self._execute(fn, dyn, index)
+        return index, self._execute(fn, dyn, index), fn.layouts if fn.__class__ is _LaidOut else None
 
     def _execute(self, fn, dyn, index):
         """Run the program ``fn`` in the current mode; a checked op's code is handed to
@@ -448,7 +477,9 @@ class Kernel:
         return out[0] if self.single else tuple(out[:-1])
 
     def __call__(self, *args, **kwargs):
-        index, out = self.run(args, kwargs)
+        index, out, layouts = self._run(args, kwargs)
+        if layouts is not None:
+            return wrap_outputs(out, index, self.sig, layouts)
         return wrap_outputs(out, index, self.sig)
 
     def run_inplace(self, args, kwargs):
@@ -522,13 +553,48 @@ _BLOCKING = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _default_dtype = torch.get_default_dtype
 
 
-def wrap_outputs(out, index: int, sig: _Signature):
+def wrap_outputs(out, index: int, sig: _Signature, layouts: tuple | None = None):
+    """The raw outputs as tpu tensors; ``layouts``: each output's memory order (dims from the
+    outermost) where PyTorch does not make it contiguous (a channels_last result), else None."""
     if sig.returns_none:
         return None
     if isinstance(out, (tuple, list)):
-        wrapped = [None if o is None else bridge.wrap(o, index) for o in out]  # None: an undefined tensor
-        return wrapped if sig.returns_list else tuple(wrapped)
-    return bridge.wrap(out, index)
+        orders = layouts or (None,) * len(out)
+        wrapped = [None if o is None else bridge.wrap(o, index, _strides(o, order)) for o, order in zip(out, orders)]
+        return wrapped if sig.returns_list else tuple(wrapped)  # (None: an undefined tensor)
+    return bridge.wrap(out, index, _strides(out, layouts[0]) if layouts else None)
+
+
+def _strides(array, order: tuple | None) -> tuple | None:
+    """The strides that lay ``array``'s shape out in memory ``order`` (None: contiguous)."""
+    if order is None or len(order) != len(array.shape):
+        return None
+    return bridge.dense_layout(array.shape, bridge.strides_in_order(array.shape, order))
+
+
+class _LaidOut:
+    """A program whose outputs PyTorch lays out otherwise than contiguously: ``layouts`` holds
+    each output's memory order (None for a contiguous one), from its meta kernel."""
+
+    __slots__ = ("fn", "layouts", "__weakref__")  # (JAX keeps weak references to traced functions)
+
+    def __init__(self, fn, layouts: tuple):
+        self.fn, self.layouts = fn, layouts
+
+    def __call__(self, *dyn):
+        return self.fn(*dyn)
+
+
+def _layouts(meta) -> tuple | None:
+    """The memory order of each of a meta kernel's outputs that is dense but not contiguous (None
+    for the others); None if all are contiguous. An order, not strides: a program serves every
+    shape its key allows, and the strides follow from the order and the shape."""
+    if meta is None:
+        return None
+    outs = meta if isinstance(meta, (tuple, list)) else (meta,)
+    orders = tuple(bridge.memory_order(o.stride()) if isinstance(o, torch.Tensor)
+                   and bridge.dense_layout(o.shape, o.stride()) is not None else None for o in outs)
+    return orders if any(o is not None for o in orders) else None
 
 
 class InplaceKernel:
@@ -562,7 +628,7 @@ class MutatingKernel:
         self.aliased = [written.get(_alias_set(r)) for r in schema.returns]
 
     def __call__(self, *args, **kwargs):
-        index, out = self.functional.run(args, kwargs)
+        index, out, layouts = self.functional._run(args, kwargs)
         values = iter(out[self.nout:])
         for position, name in self.targets:
             target = _argument(args, kwargs, position, name)
@@ -577,7 +643,10 @@ class MutatingKernel:
             return None
         if self.aliased[0] is not None and self.nout == 1:
             return _argument(args, kwargs, *self.aliased[0])
-        return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig)
+        if layouts is not None:
+            layouts = layouts[:self.nout]
+        return wrap_outputs(tuple(out[:self.nout]) if self.nout > 1 else out[0], index, self.functional.sig,
+                            layouts)
 
 
 def _argument(args, kwargs, position: int, name: str):

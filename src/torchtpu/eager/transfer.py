@@ -11,7 +11,7 @@ import torch
 
 from torchtpu import metrics
 from torchtpu.device import bridge
-from torchtpu.eager import modes
+from torchtpu.eager import modes, views
 from torchtpu.ops import checks
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, to_jax_dtype
 from torchtpu.runtime import placement, state
@@ -123,11 +123,13 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     device = torch.device(device) if device is not None else self.device
     if device.type == "tpu":
         to_jax_dtype(dtype)  # a clear error for dtypes XLA cannot hold (complex32, float8, ...)
+    layout = _copy_layout(self, memory_format)
     if self.device.type != "tpu":  # host → tpu (PyTorch routes by the target device)
         index = device.index if device.index is not None else _current_device()
-        return bridge.wrap(to_device(self.to(dtype), index), index)
+        return bridge.wrap(to_device(self.to(dtype), index), index, layout)
     if device.type == "cpu":
-        return to_host(self).to(dtype)
+        host = to_host(self).to(dtype)
+        return host if layout is None else torch.empty_strided(host.shape, layout, dtype=dtype).copy_(host)
     if device.type != "tpu":
         raise RuntimeError(f"tpu: cannot copy a tpu tensor to {device} directly; go through .cpu() first")
     index = device.index if device.index is not None else self.get_device()
@@ -138,7 +140,17 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         value = bridge.apply(bridge.cast(target), value)  # (a copy must not share the source's buffer)
     if index != self.get_device():
         value = placement.put(value.materialize() if isinstance(value, bridge.Lazy) else value, index)
-    return bridge.wrap(value, index)
+    return bridge.wrap(value, index, layout)
+
+
+def _copy_layout(t: torch.Tensor, memory_format) -> tuple | None:
+    """The strides of ``t``'s copy where PyTorch does not make it contiguous: ``t``'s own where it
+    is dense (preserve_format, the default), or the requested format's."""
+    if memory_format in (None, torch.preserve_format):
+        return bridge.dense_layout(t.shape, t.stride())
+    if memory_format == torch.contiguous_format:
+        return None
+    return bridge.dense_layout(t.shape, views.format_strides(tuple(t.shape), memory_format))
 
 
 _current_device = state.current_device

@@ -82,7 +82,18 @@ def set_tensor(self, source):
 
 def resize_(self, size, memory_format=None):
     dispatch.resize(self, size)
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        bridge.restride(self, self.untyped_storage(), self.storage_offset(), self.shape,
+                        format_strides(tuple(self.shape), memory_format))
     return self
+
+
+@functools.lru_cache(maxsize=1024)
+def format_strides(size: tuple, memory_format) -> tuple:
+    """The strides PyTorch gives a new tensor of ``size`` in ``memory_format`` (channels_last, ...)."""
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        return bridge._strides_of(size)
+    return torch.empty(size, memory_format=memory_format, device="meta").stride()
 
 
 
@@ -92,7 +103,7 @@ def empty(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory
     _check_size(size)
     # explicit strides make the storage's byte count right, which views of it rely on
     return bridge.empty_shell(tuple(size), dtype or torch.get_default_dtype(), state.device_index(device),
-                              bridge._contiguous_strides(size))
+                              format_strides(tuple(size), memory_format))
 
 
 def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):

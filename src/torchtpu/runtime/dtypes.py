@@ -27,12 +27,17 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {t: np.dtype(j) for t, j in {
 JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {j: t for t, j in TORCH_TO_JAX.items()}
 
 
+class UnsupportedDtype(TypeError):
+    """A dtype the tpu device cannot hold: a ``TypeError``, as PyTorch's for a dtype a device
+    lacks (MPS's float64); torchtpu's own refusal, never re-read as an argument error."""
+
+
 def to_jax_dtype(dtype: torch.dtype) -> np.dtype:
     """The JAX dtype for a torch dtype; a clear TypeError for ones XLA cannot hold."""
     try:
         return TORCH_TO_JAX[dtype]
     except KeyError:
-        raise TypeError(
+        raise UnsupportedDtype(
             f"dtype {dtype} is not supported on the tpu device; supported: "
             + ", ".join(str(d).removeprefix("torch.") for d in TORCH_TO_JAX)
         ) from None
