@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from native_required import skip_without_native
+
 
 def _run(code: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
@@ -67,7 +69,7 @@ def test_accelerator_queries_before_first_use_start_nothing():
     """)
     assert out.returncode == 0, out.stderr
     if out.stdout.startswith("unbuilt:"):
-        pytest.skip(out.stdout.strip())
+        skip_without_native(out.stdout.strip())
     assert out.stdout.strip() == "ok"
 
 

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchtpu
 from torchtpu.runtime import native
 
+from native_required import native_hooks_needed, skip_without_native
+
 SRC = os.path.dirname(os.path.abspath(torchtpu.__file__))
 
 # Import runtime/native.py without running torchtpu/__init__.py (which registers the device).
@@ -93,7 +95,7 @@ def built():
     """, timeout=900)
     reason = out.rsplit("REASON:", 1)[1].strip()
     if reason:
-        pytest.skip(f"the C++ hooks cannot be built here: {reason}")
+        skip_without_native(f"the C++ hooks cannot be built here: {reason}")
 
 
 def test_cached_load_is_fast_and_imports_little(built):
@@ -223,8 +225,7 @@ def test_pinned_host_to_tpu_in_process():
     torch.testing.assert_close(torch.cat([y for _, y in seen]), labels)
 
 
-needs_hooks = pytest.mark.skipif(not native.registered(),
-                                 reason=f"torchtpu's C++ hooks are not built here: {native.unavailable_reason()}")
+needs_hooks = native_hooks_needed()
 
 
 def _storage_tensor(storage, dtype=torch.float32):
@@ -319,12 +320,27 @@ def test_storages_pytorch_creates_on_tpu():
     assert torch.empty(3, device="tpu").untyped_storage().nbytes() == 12
 
 
-def test_without_the_extension(tmp_path):
-    """A failed build: a warning names what needs the C++ hooks; everything else works."""
+def _failed_build(tmp_path) -> None:
+    """A cache directory whose build of the C++ hooks is remembered as failed."""
     name, build_dir = native._location()
     tag_dir = tmp_path / "ext" / os.path.basename(build_dir)
     tag_dir.mkdir(parents=True)
     (tag_dir / f"{name}.failed").write_text("the C++ hooks failed to build: no compiler (test)")
+
+
+def test_a_required_extension_that_cannot_be_built_fails(tmp_path):
+    """TORCHTPU_REQUIRE_NATIVE=1 (CI sets it): a failed build is an error, not a warning."""
+    _failed_build(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1, device='tpu')"], capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path), "TORCHTPU_REQUIRE_NATIVE": "1"})
+    assert proc.returncode != 0
+    assert "TORCHTPU_REQUIRE_NATIVE" in proc.stderr and "no compiler (test)" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_without_the_extension(tmp_path):
+    """A failed build: a warning names what needs the C++ hooks; everything else works."""
+    _failed_build(tmp_path)
     code = textwrap.dedent("""
         import warnings
         with warnings.catch_warnings(record=True) as caught:
@@ -353,5 +369,5 @@ def test_without_the_extension(tmp_path):
         print("OK")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path)})
+                          env={**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path), "TORCHTPU_REQUIRE_NATIVE": "0"})
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -9,6 +9,8 @@ from torch.testing import assert_close
 
 from torchtpu.runtime import native
 
+from native_required import native_hooks_needed
+
 pytestmark = pytest.mark.usefixtures("no_fallback")
 N = 20000
 
@@ -194,8 +196,7 @@ def test_multinomial():
 
 # ---------------------------------------------------------------- torch.Generator("tpu")
 
-needs_hooks = pytest.mark.skipif(not native.registered(),
-                                 reason=f"torchtpu's C++ hooks are not built here: {native.unavailable_reason()}")
+needs_hooks = native_hooks_needed()
 
 # Every way a generator reaches a random op: factories, in-place samplers, torch.nn.init, a
 # positional generator (rrelu's schema takes it positionally).

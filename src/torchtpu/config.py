@@ -91,6 +91,8 @@ SETTINGS = [
             "start in the DEFER_AND_FUSE eager mode"),
     Setting("cpu_fallback", "TORCHTPU_CPU_FALLBACK", _bool, lambda: True,
             "run ops without a lowering on the CPU (with a warning) instead of raising"),
+    Setting("require_native", "TORCHTPU_REQUIRE_NATIVE", _bool, lambda: False,
+            "fail instead of warning when the C++ hooks cannot be built (CI sets it)"),
     Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
             "directory of the persistent compilation cache"),
     Setting("cache_max_size", "TORCHTPU_CACHE_MAX_SIZE", _size, lambda: 1 << 30,

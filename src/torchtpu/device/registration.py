@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from torchtpu.config import config
 from torchtpu.device import autocast, serialization
 from torchtpu.runtime import state
 
@@ -81,6 +82,10 @@ def _register_hooks() -> bool:
     if native.register_hooks(hooks):
         state.sync_guard()
         return True
+    if config.require_native:
+        raise RuntimeError(f"torchtpu: the C++ device hooks are unavailable ({native.unavailable_reason()}) and "
+                           f"TORCHTPU_REQUIRE_NATIVE=1 asks for them; install a C++ compiler and PyTorch's headers, "
+                           f"or unset TORCHTPU_REQUIRE_NATIVE to run with the Python hooks")
     warnings.warn(f"torchtpu: the C++ device hooks are unavailable ({native.unavailable_reason()}); "
                   "pin_memory(), pinned DataLoaders, torch.Generator('tpu'), UntypedStorage.resize_ "
                   "(FSDP2) and torch.accelerator's memory statistics and synchronize() will not work on "
