@@ -96,3 +96,13 @@ def test_an_argument_error_of_a_lowering_that_pytorch_accepts_names_the_op(monke
                                           (ones(2, device="tpu"), ones(2, device="tpu")), {})
     assert isinstance(error, RuntimeError)
     assert "aten.add.Tensor" in str(error) and "jax says no" in str(error)
+
+
+def test_an_out_pytorch_resizes_is_accepted():
+    """An out= whose dtype differs from the input's sends the call to PyTorch's CPU kernel for a
+    verdict; that kernel resizes the out= copy, which must be resizable (nonzero's out= failed)."""
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0])
+    for out_shape in ((0,), (5, 3)):
+        out = torch.empty(out_shape, dtype=torch.long, device="tpu")
+        torch.nonzero(x.to("tpu"), out=out)
+        torch.testing.assert_close(out.cpu(), torch.nonzero(x))

@@ -201,7 +201,8 @@ def _reference_args(args: tuple, kwargs: dict, device: str):
         base = storages.get(key)
         if base is None:
             n = a.untyped_storage().nbytes() // a.element_size()
-            base = storages[key] = a.detach().as_strided((n,), (1,), 0).cpu()
+            # (cloned: a copy from the device is not resizable, and an out= reference may be resized)
+            base = storages[key] = a.detach().as_strided((n,), (1,), 0).cpu().clone()
         if base.dtype != a.dtype:
             raise TypeError("a storage read in two dtypes")
         return base.as_strided(a.shape, a.stride(), a.storage_offset())
