@@ -25,7 +25,7 @@ import torch
 
 from torchtpu.runtime import errors, placement
 from torchtpu.runtime.execution import current
-from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, to_jax_dtype
+from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, convert, to_jax_dtype
 
 _create_empty = torch._C._acc.create_empty_tensor
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
@@ -407,7 +407,7 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
 
 @functools.cache
 def cast(dtype):
-    return jax.jit(lambda x: x.astype(dtype))
+    return jax.jit(lambda x: convert(x, dtype))
 
 
 @functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded

@@ -13,13 +13,15 @@ from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import modes, views
 from torchtpu.ops import checks
-from torchtpu.runtime.dtypes import TORCH_TO_JAX, to_jax_dtype
+from torchtpu.runtime.dtypes import TORCH_TO_JAX, convert, to_jax_dtype
 from torchtpu.runtime import placement, state
 
 aten = torch.ops.aten
 
 # dtypes numpy cannot hold natively travel as same-width integers
-_VIA = {torch.bfloat16: (torch.int16, jnp.bfloat16)}
+_VIA = {torch.bfloat16: (torch.int16, jnp.bfloat16),
+        **{t: (torch.uint8, TORCH_TO_JAX[t]) for t in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                                                        torch.float8_e5m2fnuz)}}
 
 
 def host_to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -35,7 +37,7 @@ def numpy_to_host(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     array = np.array(array, copy=not array.flags.writeable, order="C")  # jax's host views are read-only
     via = _VIA.get(dtype)
     if via is not None:
-        return torch.from_numpy(array.view(np.int16)).view(dtype)
+        return torch.from_numpy(array.view(TORCH_TO_JAX[via[0]])).view(dtype)
     return torch.from_numpy(array)
 
 
@@ -84,7 +86,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)  # keyed by shapes: bounded
 def _to_shape(shape, dtype):
-    return jax.jit(lambda x: jnp.broadcast_to(x, shape).astype(dtype))
+    return jax.jit(lambda x: convert(jnp.broadcast_to(x, shape), dtype))
 
 
 def copy_(self, src, non_blocking=False):

@@ -32,6 +32,7 @@ from jax import lax
 from torch._ops import OpOverload
 
 from torchtpu.ops.dtypes import result_type, to_jax_dtype
+from torchtpu.runtime.dtypes import convert
 from torchtpu.ops.registry import aten, lowering
 
 
@@ -152,7 +153,7 @@ def _fresh_copy(x):
 
 
 def _to_copy(x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    return x if dtype is None else x.astype(to_jax_dtype(dtype))
+    return x if dtype is None else convert(x, to_jax_dtype(dtype))
 
 
 # view overload → JAX function; the *_copy overload of the same name reuses it
@@ -191,7 +192,7 @@ lowering(aten._to_copy.default, graph_only=True)(_to_copy)
 
 @lowering(aten.copy.default, aten.copy_.default, graph_only=True)
 def _copy(dst, src, non_blocking=False):
-    return jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
+    return jnp.broadcast_to(convert(src, dst.dtype), dst.shape)
 
 
 def _register_copies() -> None:

@@ -23,8 +23,26 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {t: np.dtype(j) for t, j in {
     torch.uint16: jnp.uint16,
     torch.uint32: jnp.uint32,
     torch.uint64: jnp.uint64,
+    # float8 (TPU v7 trains in it): held and cast; PyTorch's own CPU kernels compute little in it
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
+    torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
 }.items()}
 JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {j: t for t, j in TORCH_TO_JAX.items()}
+
+# float8 formats whose casts saturate in PyTorch (to the largest finite value, also from inf);
+# XLA's convert gives NaN there
+_SATURATING = {np.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def convert(x, dtype):
+    """``x.astype(dtype)`` with PyTorch's rounding of out-of-range values (traceable)."""
+    dtype = np.dtype(dtype)
+    bound = _SATURATING.get(dtype)
+    if bound is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        x = jnp.clip(x, -bound, bound)  # (NaN stays NaN)
+    return x.astype(dtype)
 
 
 class UnsupportedDtype(TypeError):
