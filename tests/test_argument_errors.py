@@ -24,6 +24,9 @@ CASES = {
     # calls that once computed an answer
     "add_float_alpha_ints": lambda d: torch.add(ones(2, dtype=torch.int64, device=d), 1, alpha=1.1),
     "sub_complex_alpha": lambda d: torch.sub(ones(2, device=d), 1, alpha=1j),
+    "add_bools_float_alpha": lambda d: torch.add(ones(2, dtype=torch.bool, device=d), ones(2, dtype=torch.bool, device=d),
+                                                 alpha=1.1),
+    "add_floats_bool_alpha": lambda d: torch.add(ones(2, device=d), ones(2, device=d), alpha=True),
     "clamp_no_bounds": lambda d: torch.clamp(ones(2, device=d)),
     "random_beyond_int8": lambda d: torch.empty(5, dtype=torch.int8, device=d).random_(0, 1000),
     "random_from_not_below_to": lambda d: torch.empty(5, dtype=torch.int64, device=d).random_(5, 2),
@@ -106,3 +109,12 @@ def test_an_out_pytorch_resizes_is_accepted():
         out = torch.empty(out_shape, dtype=torch.long, device="tpu")
         torch.nonzero(x.to("tpu"), out=out)
         torch.testing.assert_close(out.cpu(), torch.nonzero(x))
+
+
+def test_alpha_pytorch_accepts():
+    b = torch.tensor([True, False])
+    assert torch.equal(torch.add(b.to("tpu"), b.to("tpu"), alpha=True).cpu(), torch.add(b, b, alpha=True))
+    i = torch.arange(4)
+    assert torch.equal(torch.add(i.to("tpu"), i.to("tpu"), alpha=3).cpu(), torch.add(i, i, alpha=3))
+    f = torch.arange(4.0)
+    torch.testing.assert_close(torch.sub(f.to("tpu"), f.to("tpu"), alpha=0.5).cpu(), torch.sub(f, f, alpha=0.5))

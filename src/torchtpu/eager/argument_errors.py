@@ -257,12 +257,13 @@ def _number(value) -> str:
 @check("add", "sub", when=("alpha",))
 def _alpha(bound: dict) -> None:
     alpha = bound.get("alpha")
-    if alpha is None or alpha == 1 and not isinstance(alpha, complex):
+    if alpha is None or alpha.__class__ is int and alpha == 1:
         return
+    # PyTorch's alpha_check, in its order
     dtype = torch.result_type(bound["self"], bound["other"])
-    if dtype == torch.bool and not isinstance(alpha, bool):
+    if isinstance(alpha, bool) and dtype != torch.bool:
         raise RuntimeError("Boolean alpha only supported for Boolean results.")
-    if not dtype.is_floating_point and not dtype.is_complex and isinstance(alpha, (float, complex)):
+    if not dtype.is_floating_point and not dtype.is_complex and not isinstance(alpha, int):
         raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
     if not dtype.is_complex and isinstance(alpha, complex):
         raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex number.")
