@@ -135,8 +135,9 @@ class GraphFunction:
                 env[node] = step.fn()
                 continue
             args, kwargs = _values(node.args, env), _values(node.kwargs, env)
-            if step.lowering is None:
-                value = step.fn(*args, **kwargs)
+            if step.lowering is None:  # a Python callable or a higher-order op's subgraph: unchecked
+                with checks.suspended():
+                    value = step.fn(*args, **kwargs)
             else:
                 op_key = jax.random.fold_in(key, step.random_index) if step.random_index >= 0 else None
                 if step.lowering.checked:

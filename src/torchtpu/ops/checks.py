@@ -63,6 +63,17 @@ def collecting(op: str):
         _collector.reset(token)
 
 
+@contextmanager
+def suspended():
+    """No checks recorded within: a subgraph traced under another transformation (flex_attention's
+    score_mod under vmap), whose flags could not leave it."""
+    token = _collector.set(None)
+    try:
+        yield
+    finally:
+        _collector.reset(token)
+
+
 def naming(op: str) -> None:
     """Within ``collecting``: name the op whose checks follow (a compiled graph runs many)."""
     current = _collector.get()
