@@ -54,3 +54,13 @@ def each_eager_mode(request):
     """Run a test once per eager mode (``pytestmark = pytest.mark.usefixtures("each_eager_mode")``)."""
     with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, request.param)):
         yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_index_error_across_tests():
+    """An out-of-bounds index is raised at the next synchronisation (ops/checks.py), which may be
+    another test's on this worker: each test starts with no pending index check."""
+    from torchtpu.ops import checks
+
+    checks.discard_pending()
+    yield

@@ -86,10 +86,20 @@ def code(checks: list, always: bool = True):
     there are none, unless ``always``)."""
     if not checks and not always:
         return None
-    result = jnp.zeros((), jnp.int32)
-    for bad, number in checks:
-        result = jnp.maximum(result, jnp.where(bad, jnp.int32(number), jnp.int32(0)))
-    return result
+    # one jitted fold: inlined when traced, one dispatch for an unjitted lowering's concrete flags
+    return _fold_flags(tuple(number for _, number in checks))(*[bad for bad, _ in checks])
+
+
+@functools.cache
+def _fold_flags(numbers: tuple):
+    """The code of flags whose message numbers are ``numbers`` (jitted when cached)."""
+    def fold(*flags):
+        result = jnp.zeros((), jnp.int32)
+        for bad, number in zip(flags, numbers):
+            result = jnp.maximum(result, jnp.where(bad, jnp.int32(number), jnp.int32(0)))
+        return result
+
+    return jax.jit(fold)
 
 
 def in_bounds(index, size: int, dim: int = 0, negative: bool = True) -> None:

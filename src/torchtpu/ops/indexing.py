@@ -119,8 +119,11 @@ def _split(x, indices):
     return tuple(True if i is not None else None for i in indices), [i for i in indices if i is not None]
 
 
-@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, graph_only=True, checked=True)  # a graph's indices trace
-@lowering(aten.index.Tensor, aten._unsafe_index.Tensor, jit=False, checked=True)
+# _unsafe_*: PyTorch's decompositions call them with indices they made in bounds; unchecked, as on CUDA
+@lowering(aten.index.Tensor, graph_only=True, checked=True)  # a graph's indices are integers: they trace
+@lowering(aten.index.Tensor, jit=False, checked=True)
+@lowering(aten._unsafe_index.Tensor, graph_only=True)
+@lowering(aten._unsafe_index.Tensor, jit=False)
 def index(x, indices):
     if len(indices) > max(x.ndim, 1):
         raise IndexError(f"too many indices for tensor of dimension {x.ndim} (got {len(indices)})")
@@ -136,8 +139,10 @@ def _single_mask(indices):
     return None
 
 
-@lowering(aten.index_put.default, aten._unsafe_index_put.default, graph_only=True, checked=True)
-@lowering(aten.index_put.default, aten._unsafe_index_put.default, jit=False, checked=True)
+@lowering(aten.index_put.default, graph_only=True, checked=True)
+@lowering(aten.index_put.default, jit=False, checked=True)
+@lowering(aten._unsafe_index_put.default, graph_only=True)
+@lowering(aten._unsafe_index_put.default, jit=False)
 def index_put(x, indices, values, accumulate=False):
     lead = _single_mask(indices)
     if lead is not None:  # the common x[mask] = v: traceable, no host sync
