@@ -54,6 +54,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +80,30 @@ HUGE_TESTS = [
 
 DEVICE_CLASS_SUFFIXES = ("PRIVATEUSE1", "TPU")
 _TPU_TOKEN = re.compile(r"_tpu(?=_|$)")
+
+
+# --- pytest plugin (loaded into the pytest runs with ``-p pytorch_device_tests``) ---
+# Appends every test's outcome to $PYTORCH_DEVICE_TESTS_RESULTS as it completes, so a
+# run that is interrupted (time limit, killed) still leaves the results it reached.
+def pytest_runtest_logreport(report):
+    path = os.environ.get("PYTORCH_DEVICE_TESTS_RESULTS")
+    if not path or (report.when != "call" and not (report.failed or report.skipped)):
+        return
+    cls, _, name = report.nodeid.rpartition("::")
+    if report.skipped:
+        outcome = "skipped"
+        msg = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+    elif report.failed:
+        outcome = "failed"
+        crash = getattr(report.longrepr, "reprcrash", None)
+        msg = crash.message if crash is not None else str(report.longrepr)
+    else:
+        outcome = "passed"
+        msg = ""
+    with open(path, "a") as f:
+        f.write(json.dumps({"class": cls.rpartition("::")[2], "name": name, "when": report.when,
+                            "outcome": outcome, "message": msg.strip().splitlines()[0][:300] if msg.strip() else ""})
+                + "\n")
 
 
 def torchtpu_state() -> str:
@@ -109,9 +134,13 @@ def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args) ->
     else:
         env["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    jsonl = xml_path.with_suffix(".jsonl")
+    jsonl.unlink(missing_ok=True)
+    env["PYTORCH_DEVICE_TESTS_RESULTS"] = str(jsonl)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable, "-m", "pytest", fname,
-        "-p", "no:cacheprovider",
+        "-p", "no:cacheprovider", "-p", "pytorch_device_tests",
         "-q", "-rN", "--tb=line",
         f"--junitxml={xml_path}",
         "-o", "junit_logging=no",
@@ -130,14 +159,32 @@ def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args) ->
         log.write(time.strftime("%Y-%m-%d %H:%M:%S ") + torchtpu_state() + "\n")
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        subprocess.run(cmd, cwd=test_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=test_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=args.file_time_limit or None)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # pytest stops and still writes what it has
+            log.write(f"\n*** interrupted: --file-time-limit {args.file_time_limit} s reached\n")
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     return time.time() - t0
 
 
 def parse_junit(xml_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     """(class, test name) -> (outcome, first message line); outcome in passed/failed/skipped."""
     results: dict[tuple[str, str], tuple[str, str]] = {}
-    if not xml_path.exists():
+    jsonl = xml_path.with_suffix(".jsonl")
+    if not xml_path.exists() or (jsonl.exists() and jsonl.stat().st_mtime > xml_path.stat().st_mtime + 5):
+        # interrupted run: the junit file is missing or stale, the per-test log is not
+        if jsonl.exists():
+            for line in jsonl.read_text().splitlines():
+                r = json.loads(line)
+                key = (r["class"], r["name"])
+                if r["outcome"] != "passed" or key not in results:
+                    results[key] = (r["outcome"], r["message"])
         return results
     root = ET.parse(xml_path).getroot()
     for tc in root.iter("testcase"):
@@ -192,6 +239,8 @@ def main() -> int:
                    help="per-test timeout in seconds (needs pytest-timeout; 0 = none)")
     p.add_argument("-n", "--workers", type=int, default=0,
                    help="pytest-xdist workers per file (0 = in process)")
+    p.add_argument("--file-time-limit", type=int, default=0, metavar="SECONDS",
+                   help="interrupt a file's run after this long and report the tests it reached (0 = none)")
     p.add_argument("--device", choices=["both", "tpu", "cpu"], default="both",
                    help="which runs to (re)do; the other device's xml is reused if present")
     p.add_argument("--report-only", action="store_true", help="only parse the existing xml files")
@@ -231,7 +280,10 @@ def main() -> int:
                     print(f"  ran {fname} [{dev}] in {secs:.0f} s", flush=True)
         s = summarize(fname, parse_junit(xml["tpu"]), parse_junit(xml["cpu"]))
         log = xml["tpu"].with_suffix(".log")
-        s["tpu_run"] = log.read_text().splitlines()[0] if log.exists() else ""
+        text = log.read_text() if log.exists() else ""
+        s["tpu_run"] = text.splitlines()[0] if text else ""
+        if "*** interrupted" in text:
+            s["tpu_run"] += " (interrupted by --file-time-limit: only the tests it reached are counted)"
         summaries.append(s)
 
     print()
