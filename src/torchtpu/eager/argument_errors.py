@@ -67,12 +67,7 @@ def guarded(op, kernel):
             if bound is None:
                 bound = {**defaults, **dict(zip(names, args)), **kwargs}
             fn(bound)
-        try:
-            return kernel(*args, **kwargs)
-        except UnsupportedDtype:  # torchtpu's own refusal, already clear
-            raise
-        except FOREIGN as exc:
-            raise pytorch_error(op, exc, args, kwargs) from exc
+        return call(*args, **kwargs)
 
     checked.kernel = kernel
     return checked
