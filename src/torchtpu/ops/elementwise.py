@@ -21,6 +21,13 @@ def _floating_or_complex(x, kernel: str) -> bool:
     raise NotImplementedError(f'"{kernel}" not implemented for \'{scalar_type_name(x.dtype)}\'')
 
 
+def _not_bool(x, kernel: str) -> bool:
+    """True unless ``x`` is boolean, where PyTorch's kernel has no case (``abs``): its error."""
+    if x.dtype == jnp.bool_:
+        raise NotImplementedError(f'"{kernel}" not implemented for \'Bool\'')
+    return True
+
+
 def _unary(kind: str, fn):
     def lower(x):
         compute, result = promote(x, kind=kind)
@@ -41,7 +48,7 @@ def _sign(x):
 # aten op → (type promotion kind, jnp implementation)
 UNARY = {
     aten.neg: ("DEFAULT", jnp.negative),
-    aten.abs: ("COMPLEX_TO_FLOAT", jnp.abs),
+    aten.abs: ("COMPLEX_TO_FLOAT", lambda x: _not_bool(x, "abs_cpu") and jnp.abs(x)),
     aten.exp: ("INT_TO_FLOAT", jnp.exp),
     aten.exp2: ("INT_TO_FLOAT", jnp.exp2),
     aten.expm1: ("INT_TO_FLOAT", jnp.expm1),
