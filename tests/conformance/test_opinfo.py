@@ -135,3 +135,28 @@ def test_full_sweep(mode, entry):
     if result.status in (harness.SKIP, harness.NA):
         pytest.skip(result.error)
     assert result.status == harness.PASS, f"{entry} [{mode}] {result.status}: {result.error}"
+
+
+def test_generated_files_agree_with_results():
+    """``known_failures.json``, ``docs/op_coverage.md`` and the README's coverage lines are what
+    ``tools/op_coverage.py`` writes from ``results.json``: a hand edit of one of them, or a sweep
+    whose outputs were not all committed, fails here (regenerate with
+    ``python tools/op_coverage.py --report-only``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("op_coverage", HERE.parent.parent / "tools" / "op_coverage.py")
+    op_coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(op_coverage)
+    results = op_coverage.load_results()
+    known = {mode: sorted(e for e, r in rows.items() if r["status"] in op_coverage.FAILING)
+             for mode, rows in results.items()}
+    assert KNOWN == known, "known_failures.json differs from results.json: run tools/op_coverage.py --report-only"
+    meta = json.loads(op_coverage.META.read_text())
+    assert op_coverage.REPORT.read_text() == op_coverage.render(results, meta), (
+        "docs/op_coverage.md differs from results.json: run tools/op_coverage.py --report-only")
+    begin, end = op_coverage._README_MARKERS
+    readme = op_coverage.README.read_text()
+    if begin in readme:
+        body = readme.split(begin, 1)[1].split(end, 1)[0]
+        expected = "\n" + "\n".join(f"- {line}" for line in op_coverage.summary(results, op_coverage._harness())) + "\n"
+        assert body == expected, "the README's coverage lines differ from results.json: run tools/op_coverage.py --report-only"
