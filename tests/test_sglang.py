@@ -32,7 +32,6 @@ openai = pytest.importorskip("openai", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
 
 from torchtpu.integrations.sglang import check_sglang_version  # noqa: E402
-from torchtpu.integrations.sglang.attention import paged_attention, plan_batch  # noqa: E402
 
 from serving_fixtures import MAX_NEW, free_port, hf, hf_greedy, hf_int8, model_dir  # noqa: E402,F401,F811 (fixtures)
 
@@ -49,67 +48,6 @@ SERVER_START_S = 300
 
 
 # ---------------------------------------------------------------- the pieces, without a server
-
-def reference_attention(q, k_pool, v_pool, rows, q_lens, seq_lens, scale):
-    """Per-request causal SDPA on CPU, queries being the last q_len tokens of each request."""
-    outs, start = [], 0
-    for row, q_len, seq_len in zip(rows, q_lens, seq_lens):
-        query = q[start:start + q_len].transpose(0, 1)  # [heads, q, dim]
-        key = k_pool[row[:seq_len]].transpose(0, 1)
-        value = v_pool[row[:seq_len]].transpose(0, 1)
-        pos_q = torch.arange(seq_len - q_len, seq_len)[:, None]
-        mask = torch.arange(seq_len)[None, :] <= pos_q
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(out.transpose(0, 1).reshape(q_len, -1))
-        start += q_len
-    return torch.cat(outs)
-
-
-def test_paged_attention_matches_per_request_sdpa():
-    """Prefill, a prefix-cache hit (prefill after a cached prefix), a chunk and decodes in one batch."""
-    torch.manual_seed(0)
-    heads, kv_heads, dim, slots = 4, 2, 16, 200
-    q_lens, seq_lens = [7, 5, 1, 1, 9], [7, 20, 33, 1, 40]
-    k_pool, v_pool = torch.randn(slots, kv_heads, dim), torch.randn(slots, kv_heads, dim)
-    rows = torch.stack([torch.randperm(slots - 1)[:64] + 1 for _ in q_lens])  # paged: slots scattered
-    q = torch.randn(sum(q_lens), heads, dim)
-    want = reference_attention(q, k_pool, v_pool, rows, q_lens, seq_lens, 0.25)
-    plan = plan_batch(q_lens, seq_lens, rows.to("tpu"), rows.shape[1], torch.device("tpu"))
-    got = paged_attention(q.to("tpu"), k_pool.to("tpu"), v_pool.to("tpu"), plan, 0.25)
-    assert plan.shape == (8, 16, 64)  # padded to buckets
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
-
-
-def test_padded_decode_batch_attends_like_the_unpadded_one():
-    """The compiled decode pads a batch to a capture size; the real requests' attention is unchanged."""
-    from types import SimpleNamespace
-
-    from torchtpu.integrations.sglang.graph_runner import pad_decode_batch
-
-    torch.manual_seed(0)
-    heads, kv_heads, dim, slots = 4, 2, 16, 100
-    seq_lens = torch.tensor([5, 17, 9])
-    req_to_token = torch.zeros(4, 32, dtype=torch.int64)  # row 0: SGLang's reserved padding row
-    req_to_token[1:] = torch.stack([torch.randperm(slots - 1)[:32] + 1 for _ in range(3)])
-    batch = SimpleNamespace(batch_size=3, input_ids=torch.tensor([7, 8, 9]), positions=seq_lens - 1,
-                            out_cache_loc=torch.tensor([11, 12, 13]), req_pool_indices=torch.tensor([1, 2, 3]),
-                            seq_lens=seq_lens, seq_lens_cpu=seq_lens, seq_lens_sum=int(seq_lens.sum()))
-    padded = pad_decode_batch(batch, 8)
-    assert padded.batch_size == 8 and batch.batch_size == 3  # a copy: SGLang's batch is untouched
-    assert padded.seq_lens_cpu.tolist() == [5, 17, 9] + [1] * 5 and padded.req_pool_indices[3:].eq(0).all()
-    assert padded.seq_lens_sum == int(padded.seq_lens.sum())
-    k_pool, v_pool = torch.randn(slots, kv_heads, dim).to("tpu"), torch.randn(slots, kv_heads, dim).to("tpu")
-    q = torch.randn(8, heads, dim).to("tpu")
-    rows = req_to_token.to("tpu")
-
-    def attend(b, n):
-        plan = plan_batch([1] * n, b.seq_lens_cpu.tolist(), rows.index_select(0, b.req_pool_indices.to("tpu")),
-                          32, torch.device("tpu"))
-        return paged_attention(q[:n], k_pool, v_pool, plan, 0.25).cpu()
-
-    torch.testing.assert_close(attend(padded, 8)[:3], attend(batch, 3))
-
 
 def test_host_free_list_allocates_like_sglangs_allocator():
     """The host free list hands out the same slots as SGLang's device one, on the device, and

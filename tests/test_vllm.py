@@ -19,9 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 REASON = "the vllm extra is not installed (tools/vllm_env.sh, or pip install 'torchtpu[vllm]')"
 vllm = pytest.importorskip("vllm", reason=REASON)
@@ -29,14 +27,6 @@ openai = pytest.importorskip("openai", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
 
 from torchtpu.integrations.vllm import activate, check_vllm_version  # noqa: E402
-from torchtpu.integrations.vllm.attention import (  # noqa: E402
-    paged_attention,
-    plan_step,
-    power_of_two_at_least,
-    write_kv,
-)
-from torchtpu.integrations.vllm.kernels import compute_slot_mapping  # noqa: E402
-from torchtpu.integrations.vllm.model_runner import token_buckets  # noqa: E402
 from torchtpu.integrations.vllm.platform import TpuPlatform  # noqa: E402
 
 from serving_fixtures import MAX_NEW, free_port, hf, hf_int8, model_dir  # noqa: E402,F401,F811 (fixtures)
@@ -74,58 +64,6 @@ def test_plugin_activates_on_request_only(monkeypatch):
     assert activate() is None
 
 
-def test_slot_mapping_matches_python_reference():
-    gen = torch.Generator().manual_seed(0)
-    block, stride = 4, 6
-    table = torch.randperm(40, generator=gen)[:3 * stride].view(3, stride).int()
-    q_lens, ctx = [5, 1, 7], [0, 9, 3]  # a prefill, a decode, a chunk after a cached context
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens)])
-    n, padded = int(qsl[-1]), int(qsl[-1]) + 3
-    out = torch.full((padded + 2,), 7, dtype=torch.int64)
-    expect = [int(table[r, p // block]) * block + p % block
-              for r, (c, q) in enumerate(zip(ctx, q_lens)) for p in range(c, c + q)]
-    slots = out.to("tpu")
-    compute_slot_mapping(n, padded, qsl.to("tpu"), positions.to("tpu"), table.to("tpu"), stride,
-                         slots, block)
-    assert slots.cpu().tolist() == expect + [-1] * 3 + [7, 7]
-
-
-def test_slot_mapping_is_one_program_for_every_token_count():
-    """The runner passes slices of its persistent buffers; every step reuses one program."""
-    from torchtpu import metrics
-
-    def programs_built():
-        built = metrics.snapshot()["eager_compiles"]
-        return built["compilations"] + built["persistent_hits"]
-
-    block, stride, max_tokens = 4, 8, 32
-    table = torch.arange(4 * stride, dtype=torch.int32).view(4, stride).to("tpu")
-    qsl_buffer, pos_buffer = torch.zeros(5, dtype=torch.int32), torch.zeros(max_tokens, dtype=torch.int64)
-    slots = torch.zeros(max_tokens, dtype=torch.int64, device="tpu")
-    built = []
-    for q_lens in ([3], [5, 1], [2, 2, 9], [1, 1, 1, 1], [7, 4]):
-        n = sum(q_lens)
-        qsl_buffer[: len(q_lens) + 1] = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]))
-        qsl_buffer[len(q_lens) + 1:] = n  # as vLLM's runner pads it
-        pos_buffer[:n] = torch.cat([torch.arange(q) for q in q_lens])
-        qsl, pos = qsl_buffer.to("tpu"), pos_buffer.to("tpu")
-        compute_slot_mapping(n, max_tokens, qsl[: len(q_lens) + 1], pos[:n], table, stride, slots, block)
-        expect = [int(table[r, p // block]) * block + p % block for r, q in enumerate(q_lens) for p in range(q)]
-        assert slots.cpu().tolist() == expect + [-1] * (max_tokens - n)
-        built.append(programs_built())
-    assert built[1:] == built[:1] * 4, built  # the first step built every program the others ran
-
-
-def test_token_buckets_are_bounded_and_cover_every_count():
-    buckets = token_buckets(8192)
-    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 8192
-    assert len(buckets) < 100  # programs per piece of the forward, whatever the traffic
-    assert all(b - a <= 256 for a, b in zip(buckets, buckets[1:]))
-    assert token_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
-    assert [power_of_two_at_least(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]  # attention's
-
-
 @pytest.mark.parametrize("mode", ["STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE"])
 def test_compile_modes_without_opaque_attention_are_refused(mode):
     from vllm.config import CompilationConfig, CompilationMode
@@ -138,58 +76,6 @@ def test_compile_modes_without_opaque_attention_are_refused(mode):
 def test_attention_is_opaque_to_dynamo():
     """Inlined, the attention's per-step metadata is frozen into vLLM's single trace."""
     assert TpuPlatform.opaque_attention_op()
-
-
-def reference_attention(q, keys, values, q_lens, seq_lens, scale):
-    """Per-request causal SDPA on CPU; a request's queries are the last q_len of its seq_len tokens."""
-    outs, start = [], 0
-    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        query = q[start:start + q_len].transpose(0, 1)
-        k, v = keys[r][:seq_len].transpose(0, 1), values[r][:seq_len].transpose(0, 1)
-        rows = torch.arange(seq_len - q_len, seq_len)[:, None]
-        mask = torch.arange(seq_len)[None, :] <= rows
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1))
-        start += q_len
-    return torch.cat(outs)
-
-
-def test_paged_attention_matches_sdpa():
-    """Prefill, decode and a chunk after a cached prefix in one batch, grouped-query heads."""
-    gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, block, num_blocks = 4, 2, 8, 4, 12
-    q_lens, seq_lens = [6, 1, 3], [6, 9, 10]
-    table = torch.tensor([[3, 7, 0], [1, 5, 9], [10, 2, 4]], dtype=torch.int32)
-    keys = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
-    values = [torch.randn(s, kv_heads, dim, generator=gen) for s in seq_lens]
-    cache = torch.zeros((num_blocks + 1) * block, kv_heads, 2 * dim).to("tpu")
-
-    def slots(r, positions):
-        return [int(table[r, p // block]) * block + p % block for p in positions]
-
-    # The cached context first (one write), then this step's tokens plus one padded token.
-    ctx = [(r, range(s - q)) for r, (q, s) in enumerate(zip(q_lens, seq_lens)) if s > q]
-    write_kv(cache, torch.cat([keys[r][p] for r, p in ctx]).to("tpu"),
-             torch.cat([values[r][p] for r, p in ctx]).to("tpu"),
-             torch.tensor(sum((slots(r, p) for r, p in ctx), [])).to("tpu"))
-    new = [range(s - q, s) for q, s in zip(q_lens, seq_lens)]
-    step_slots = sum((slots(r, p) for r, p in enumerate(new)), []) + [-1]
-    k_new = torch.cat([keys[r][p] for r, p in enumerate(new)] + [torch.full((1, kv_heads, dim), 9.0)])
-    v_new = torch.cat([values[r][p] for r, p in enumerate(new)] + [torch.full((1, kv_heads, dim), 9.0)])
-    write_kv(cache, k_new.to("tpu"), v_new.to("tpu"), torch.tensor(step_slots).to("tpu"))
-
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
-    # Planned as the builder plans a step, with one padded token: the decode in a grid of its
-    # own, the prefill and the chunk in another (2 requests, queries padded to 8).
-    meta = plan_step(np.concatenate([[0], np.cumsum(q_lens)]), np.array(seq_lens), table.to("tpu"), block,
-                     max(seq_lens), sum(q_lens) + 1, torch.device("tpu"))
-    assert [tuple(g.mask.shape) for g in meta.groups] == [(1, 1, 1, 12), (2, 1, 8, 12)]
-    padded_q = torch.cat([q, torch.full((1, heads, dim), 5.0)])
-    got = paged_attention(padded_q.to("tpu"), cache, meta, dim ** -0.5, dim, None, None).cpu()
-    assert got.shape[0] == sum(q_lens) + 1
-    got = got[: sum(q_lens)]
-    want = reference_attention(q, keys, values, q_lens, seq_lens, dim ** -0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible server

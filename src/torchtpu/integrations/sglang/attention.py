@@ -1,98 +1,18 @@
-"""``TpuAttnBackend``: SGLang attention over the paged KV pool, as a few batched torch ops.
+"""``TpuAttnBackend``: SGLang attention over the paged KV pool (see :mod:`torchtpu.serving.token_pool`).
 
-SGLang's torch-native backend loops over the requests of a batch, reading each length back to
-the host; on an XLA device that is one small program per request and per layer. Here the
-whole batch is one padded problem, planned once per forward on the host from the lengths
-SGLang already keeps there:
-
-- queries ``[tokens, heads, dim]`` are gathered into ``[batch, q_len, heads, dim]``;
-- each request's keys and values are gathered from the pool through its ``req_to_token`` row
-  (``index_select`` on the paged buffers), ``[batch, kv_len, kv_heads, dim]``;
-- one ``scaled_dot_product_attention`` with a mask saying which slot each query may see
-  (causal within the request, none past its length), GQA through ``enable_gqa``;
-- the padded output is gathered back to ``[tokens, heads * dim]``.
-
-Prefill, decode (q_len 1), chunked prefill and prefix-cache hits (a prefix already in the
-pool: queries start at ``prefix_len``) and mixed batches are the same computation with
-different lengths. Batch, query and key lengths are rounded up to powers of two, so a server
-sees a bounded set of shapes (programs), not one per length.
+The whole batch is one padded problem planned once per forward on the host from the lengths
+SGLang already keeps there (:func:`~torchtpu.serving.token_pool.plan_batch`), and every layer
+runs one batched attention over the pool
+(:func:`~torchtpu.serving.token_pool.paged_attention`); both are engine-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-import torch
-import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-MIN_KV_BUCKET = 16  # smallest padded key length: short prompts share one program
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The power of two at or above ``n`` (at least ``minimum``): the padded size for ``n``."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-@dataclass
-class BatchPlan:
-    """Where each query and key of a forward batch sits in the padded problem (tpu tensors)."""
-
-    query_rows: torch.Tensor  # [B*Q] row of the flat query for each padded query (0 for padding)
-    output_rows: torch.Tensor  # [tokens] padded row of each real query
-    kv_slots: torch.Tensor  # [B*L] pool slot of each padded key
-    mask: torch.Tensor  # [B, 1, Q, L] True where a query may attend to a key
-    shape: tuple[int, int, int]  # (B, Q, L) after padding
-
-
-def plan_batch(q_lens: list[int], seq_lens: list[int], req_rows: torch.Tensor,
-               max_kv: int, device: torch.device) -> BatchPlan:
-    """The gather indices and mask for requests with these query and total lengths.
-
-    ``req_rows`` holds each request's ``req_to_token`` row (pool slots in order); the last
-    ``q_len`` tokens of a request are its queries, the first ``seq_len - q_len`` its cached prefix.
-    """
-    n = len(q_lens)
-    b, q, kv = bucket(n), bucket(max(q_lens)), min(bucket(max(seq_lens), MIN_KV_BUCKET), max_kv)
-    q_lens_np, seq_np = np.asarray(q_lens), np.asarray(seq_lens)
-    starts = np.concatenate([[0], np.cumsum(q_lens_np)[:-1]])
-    offsets = np.arange(q)
-    real = offsets[None, :] < q_lens_np[:, None]  # [n, q]
-    query_rows = np.zeros((b, q), dtype=np.int64)
-    query_rows[:n] = np.where(real, starts[:, None] + offsets[None, :], 0)
-    output_rows = (np.arange(n)[:, None] * q + offsets[None, :])[real]
-    # Position of each padded query in its sequence; padding rows see key 0 only (no NaN rows).
-    q_pos = np.zeros((b, q), dtype=np.int64)
-    q_pos[:n] = (seq_np - q_lens_np)[:, None] + offsets[None, :]
-    kv_len = np.ones(b, dtype=np.int64)
-    kv_len[:n] = seq_np
-    key_pos = np.arange(kv)
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < kv_len[:, None, None])
-
-    slots = torch.zeros((b, kv), dtype=req_rows.dtype, device=device)
-    slots[:n] = req_rows[:, :kv]
-    to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return BatchPlan(to_device(query_rows.reshape(-1)), to_device(output_rows),
-                     slots.reshape(-1), to_device(mask[:, None]), (b, q, kv))
-
-
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: BatchPlan,
-                    scale: float) -> torch.Tensor:
-    """Attention of flat queries ``[tokens, heads, dim]`` over the pool; ``[tokens, heads * v_dim]``."""
-    b, qn, kv = plan.shape
-    heads, kv_heads = q.shape[1], k_pool.shape[1]
-    query = q.index_select(0, plan.query_rows).view(b, qn, heads, -1).transpose(1, 2)
-    key = k_pool.index_select(0, plan.kv_slots).view(b, kv, kv_heads, -1).transpose(1, 2)
-    value = v_pool.index_select(0, plan.kv_slots).view(b, kv, kv_heads, -1).transpose(1, 2)
-    if key.dtype != query.dtype:  # a pool kept in another dtype than the model's activations
-        key, value = key.to(query.dtype), value.to(query.dtype)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=plan.mask, scale=scale,
-                                         enable_gqa=heads != kv_heads)
-    out = out.transpose(1, 2).reshape(b * qn, -1)
-    return out.index_select(0, plan.output_rows)
+from torchtpu.serving.token_pool import BatchPlan, paged_attention, plan_batch  # noqa: F401  (re-exported)
 
 
 class TpuAttnBackend(AttentionBackend):

@@ -21,22 +21,18 @@ at SGLang's reserved slot 0 (``req_to_token`` row 0, KV slot 0), as in SGLang's 
 from __future__ import annotations
 
 import bisect
-import copy
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.forward_context import forward_context, get_forward_context
 from sglang.srt.runtime_context import get_exec
 
 from torchtpu.compile.cache import cache_stats
+from torchtpu.serving.token_pool import pad_decode_batch  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
-
-PAD_SEQ_LEN = 1  # a padded request attends to one key (slot 0): no empty softmax rows
-
 
 def programs_built() -> int:
     """XLA programs torch.compile graphs needed so far: compiled, or loaded from the persistent cache."""
@@ -53,19 +49,6 @@ def capture_sizes(max_requests: int) -> list[int]:
         raise ValueError(f"No decode capture size fits --torch-compile-max-bs {graph.torch_compile_max_bs} "
                          f"and {max_requests} requests; set --cuda-graph-bs-decode.")
     return sizes
-
-
-def pad_decode_batch(batch, size: int):
-    """A shallow copy of a decode ``ForwardBatch`` with ``size`` requests, the extra ones padding."""
-    extra = size - batch.batch_size
-    padded = copy.copy(batch)
-    padded.batch_size = size
-    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices"):
-        setattr(padded, name, F.pad(getattr(batch, name), (0, extra)))
-    padded.seq_lens = F.pad(batch.seq_lens, (0, extra), value=PAD_SEQ_LEN)
-    padded.seq_lens_cpu = F.pad(batch.seq_lens_cpu, (0, extra), value=PAD_SEQ_LEN)
-    padded.seq_lens_sum = batch.seq_lens_sum + extra * PAD_SEQ_LEN
-    return padded
 
 
 class TpuGraphRunner:

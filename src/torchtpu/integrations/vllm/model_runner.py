@@ -5,13 +5,12 @@ The GPU runner builds its per-step inputs on the host and copies them to the dev
 per layer, laid out ``[(num_blocks + 1) * block_size, num_kv_heads, 2 * head_size]`` as
 :mod:`.attention` reads it, instead of byte views carved out of one int8 buffer) and the
 CUDA-only helpers (stream-ordered copies, Triton block zeroing). When the forward is compiled,
-each step's token count is padded up to a bucket (:func:`token_buckets`), as vLLM pads to its
+each step's token count is padded up to a bucket (:func:`torchtpu.serving.buckets.token_buckets`), as vLLM pads to its
 CUDA-graph sizes, so each piece of the forward has a bounded number of XLA programs.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from contextlib import contextmanager
 from functools import partial
@@ -20,6 +19,9 @@ import torch
 from vllm.config import CompilationMode
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
+
+from torchtpu.serving import paged_kv
+from torchtpu.serving.buckets import padded_size, token_buckets
 
 
 @contextmanager
@@ -40,21 +42,10 @@ def _tpu_as_cuda():
             setattr(torch.cuda, name, value)
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """The padded token counts a compiled forward runs at: 1, 2, 4, every 8 to 256, every 16 to
-    512 (vLLM's CUDA-graph capture sizes), every 256 beyond, and ``max_tokens`` itself."""
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, max_tokens, 256)]
-    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
-
-
 def kv_cache_shape(spec, num_blocks: int) -> tuple[int, int, int]:
-    """[(num_blocks + 1) * block_size, num_kv_heads, key size + value size] of one layer's cache.
-
-    Slots, not pages, lead: a step's write is one ``index_copy_`` on the whole tensor (see
-    .attention). The extra block is the scratch page that padded tokens are written to.
-    """
-    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-    return ((num_blocks + 1) * spec.block_size, spec.num_kv_heads, spec.head_size + head_size_v)
+    """One layer's cache shape for vLLM's KV cache spec (see :func:`torchtpu.serving.paged_kv.kv_cache_shape`)."""
+    return paged_kv.kv_cache_shape(spec.block_size, spec.num_kv_heads, spec.head_size, num_blocks,
+                                   getattr(spec, "head_size_v", None))
 
 
 def allocate_kv_caches(kv_cache_config, device: torch.device) -> dict[str, torch.Tensor]:
@@ -95,8 +86,7 @@ class TpuModelRunner(GPUModelRunner):
         """vLLM's choice for this step, with the token count padded up to its bucket."""
         mode, batch, *rest = super()._determine_batch_execution_and_padding(num_tokens, *args, **kwargs)
         if self.token_buckets is not None and batch.num_tokens <= self.token_buckets[-1]:
-            padded = self.token_buckets[bisect.bisect_left(self.token_buckets, batch.num_tokens)]
-            batch = dataclasses.replace(batch, num_tokens=padded)
+            batch = dataclasses.replace(batch, num_tokens=padded_size(self.token_buckets, batch.num_tokens))
         return (mode, batch, *rest)
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
@@ -120,9 +110,7 @@ class TpuModelRunner(GPUModelRunner):
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         """Zero freshly allocated blocks, so stale values never meet a zero attention weight."""
-        block = self.cache_config.block_size
-        slots = (torch.tensor(block_ids, dtype=torch.long)[:, None] * block + torch.arange(block)).reshape(-1)
-        index = slots.to(self.device)
+        index = paged_kv.block_slots(block_ids, self.cache_config.block_size).to(self.device)
         seen = set()
         for cache in self.kv_caches:
             if id(cache) not in seen:
