@@ -5,7 +5,8 @@
 #
 # VERSION is a release or a series (2.11 means torch==2.11.*). The venv (default
 # /tmp/torchtpu-compat/torch-VERSION, reused when it already holds that torch) gets torch,
-# jax>=0.10 and torchtpu installed editable from this checkout with its dev extra; the
+# JAX (JAX, default: the newest that pyproject.toml allows; e.g. JAX=0.10.0 checks the lower
+# bound) and torchtpu installed editable from this checkout with its dev extra; the
 # interpreter that runs this script (and its own editable torchtpu) is never modified: the
 # script checks that `import torchtpu` there still resolves to the same place afterwards.
 #
@@ -13,7 +14,7 @@
 # answers; otherwise from the normal index, whose Linux wheels are CUDA builds (several GB
 # with their nvidia-* libraries) that run on the CPU all the same. The result says which.
 #
-# Environment: PYTHON (the interpreter to build the venv from; default python3),
+# Environment: PYTHON (the interpreter to build the venv from; default python3), JAX,
 # TORCH_INDEX, SMOKE (pytest arguments replacing the default subset below).
 # Exit status: 0 when the C++ hooks built and every smoke test passed (or was skipped/xfailed).
 set -euo pipefail
@@ -24,7 +25,7 @@ if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
 fi
 VERSION=$1
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${2:-/tmp/torchtpu-compat/torch-$VERSION}
+VENV=${2:-/tmp/torchtpu-compat/torch-$VERSION${JAX:+-jax-$JAX}}
 PYTHON=${PYTHON:-python3}
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 # A release (2.11.0) is pinned as given; a series (2.11) takes its newest release.
@@ -67,9 +68,11 @@ else
     fi
 fi
 
-log "installing torchtpu (editable, [dev]) and jax>=0.10"
+JAX_SPEC=${JAX:+jax==$JAX jaxlib==$JAX}
+log "installing torchtpu (editable, [dev]) and ${JAX_SPEC:-the newest jax pyproject.toml allows}"
 # torch is already satisfied in the venv, so this never swaps it for another release.
-"$VPY" -m pip install -q -e "$REPO[dev]" "jax>=0.10"
+# shellcheck disable=SC2086  (JAX_SPEC is two words or none)
+"$VPY" -m pip install -q -e "$REPO[dev]" $JAX_SPEC
 
 HOST_AFTER=$(where_torchtpu "$PYTHON")
 if [[ $HOST_AFTER != "$HOST_BEFORE" ]]; then

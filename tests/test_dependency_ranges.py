@@ -1,0 +1,43 @@
+"""``pyproject.toml``'s version ranges are promises: each is bounded above, and the releases this
+process runs with are inside them (CI installs the newest each range allows, so its run tests the
+upper end; ``tools/torch_compat.sh VERSION`` with ``JAX=...`` tests the older ones)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPENDENCIES = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+# the libraries whose internals torchtpu reaches (private APIs, plugin points): an unbounded range
+# would promise releases nobody has run
+BOUNDED = ("torch", "jax")
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_range_has_an_upper_bound(name):
+    (req,) = [r for r in DEPENDENCIES if r.name == name]
+    assert any(spec.operator in ("<", "<=", "==", "~=") for spec in req.specifier), (
+        f"pyproject.toml: {req} has no upper bound; add the first release not yet tested")
+
+
+@pytest.mark.parametrize("req", DEPENDENCIES, ids=lambda r: r.name)
+def test_installed_release_is_in_range(req):
+    installed = Version(md.version(req.name))
+    assert req.specifier.contains(installed, prereleases=True), (
+        f"{req.name} {installed} is outside pyproject.toml's {req}")
+
+
+def test_readme_names_the_tested_jax_releases():
+    """The README's Compatibility section names the jax releases the range was run with."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Compatibility", 1)[1].split("\n## ", 1)[0]
+    (req,) = [r for r in DEPENDENCIES if r.name == "jax"]
+    named = {Version(v) for v in __import__("re").findall(r"jax (\d+\.\d+\.\d+)", section)}
+    assert named and all(req.specifier.contains(v) for v in named), (named, str(req))
+    assert Version(md.version("jax")) in named, "the jax CI runs is not named in the README"
