@@ -39,12 +39,18 @@ counts as failed.  Tests that allocate more than 2**31 elements
 (``--skip-huge``, on by default) are deselected on both devices to keep the
 machine usable; ``--no-skip-huge`` runs them too.
 
+``--rerun-failed`` re-runs only the tpu tests that failed in ``--out-dir``'s results
+(and, with ``--recheck-passed N``, a fixed sample of N that passed, to catch a
+regression among them), writes ``<file>.tpu.rerun.xml`` and counts those outcomes
+over the earlier ones; the report says which tests were re-run and when.
+
 Examples::
 
     python tools/pytorch_device_tests.py ~/src/pytorch/test
     python tools/pytorch_device_tests.py ~/src/pytorch/test --files test_indexing.py -n 2
     python tools/pytorch_device_tests.py ~/src/pytorch/test --report-only --failures
     python tools/pytorch_device_tests.py ~/src/pytorch/test --json summary.json
+    python tools/pytorch_device_tests.py ~/src/pytorch/test --rerun-failed --recheck-passed 40 -n 2
 """
 
 from __future__ import annotations
@@ -126,8 +132,10 @@ def _have_timeout_plugin() -> bool:
     return importlib.util.find_spec("pytest_timeout") is not None
 
 
-def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args) -> float:
-    """Runs one file's variants for one device; returns the wall time in seconds."""
+def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args,
+               node_ids: list[str] | None = None) -> float:
+    """Runs one file's variants for one device (only ``node_ids`` if given); returns the wall
+    time in seconds."""
     env = dict(os.environ)
     if device == "tpu":
         env["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "privateuse1"
@@ -139,7 +147,7 @@ def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args) ->
     env["PYTORCH_DEVICE_TESTS_RESULTS"] = str(jsonl)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
     cmd = [
-        sys.executable, "-m", "pytest", fname,
+        sys.executable, "-m", "pytest", *(node_ids or [fname]),
         "-p", "no:cacheprovider", "-p", "pytorch_device_tests",
         "-q", "-rN", "--tb=line",
         f"--junitxml={xml_path}",
@@ -150,7 +158,7 @@ def run_pytest(test_dir: Path, fname: str, device: str, xml_path: Path, args) ->
     if _have_timeout_plugin() and args.timeout:
         cmd += [f"--timeout={args.timeout}"]
     skip = (HUGE_TESTS if args.skip_huge else []) + args.skip
-    if skip:
+    if skip and not node_ids:
         cmd += ["-k", " and ".join(f"not {t}" for t in skip)]
     cmd += args.pytest_args
     log_path = xml_path.with_suffix(".log")
@@ -204,6 +212,17 @@ def parse_junit(xml_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     return results
 
 
+def rerun_ids(fname: str, tpu: dict, recheck: int) -> list[str]:
+    """pytest node ids of the tpu tests that failed in ``tpu`` (class, name) -> outcome, and of
+    ``recheck`` of those that passed (a sample fixed by the file name)."""
+    import random  # noqa: PLC0415
+
+    failed = sorted(k for k, (outcome, _) in tpu.items() if outcome == "failed")
+    passed = sorted(k for k, (outcome, _) in tpu.items() if outcome == "passed")
+    sample = random.Random(fname).sample(passed, min(recheck, len(passed)))
+    return [f"{fname}::{cls}::{name}" for cls, name in failed + sorted(sample)]
+
+
 def cpu_twin(cls: str, name: str) -> tuple[str, str]:
     for suffix in DEVICE_CLASS_SUFFIXES:
         if cls.endswith(suffix):
@@ -249,6 +268,12 @@ def main() -> int:
                    help=f"also run the tests that allocate > 2**31 elements ({', '.join(HUGE_TESTS)})")
     p.add_argument("--skip", action="append", default=[], metavar="NAME",
                    help="deselect tests whose id contains NAME on both devices (repeatable)")
+    p.add_argument("--rerun-failed", action="store_true",
+                   help="re-run only the tpu tests that failed in --out-dir's results (plus --recheck-passed "
+                        "of those that passed), and count the new outcomes over the old ones")
+    p.add_argument("--recheck-passed", type=int, default=0, metavar="N",
+                   help="with --rerun-failed: also re-run N of the previously passing tpu tests per file "
+                        "(a fixed random sample), so a regression among them shows")
     p.add_argument("--json", type=Path, help="write the summary as JSON")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
@@ -273,15 +298,32 @@ def main() -> int:
     for fname in args.files:
         stem = Path(fname).stem
         xml = {d: (args.out_dir / f"{stem}.{d}.xml").resolve() for d in ("tpu", "cpu")}
-        if not args.report_only:
+        rerun = (args.out_dir / f"{stem}.tpu.rerun.xml").resolve()
+        if args.rerun_failed and not args.report_only:
+            ids = rerun_ids(fname, parse_junit(xml["tpu"]), args.recheck_passed)
+            rerun.with_suffix(".jsonl").unlink(missing_ok=True)
+            rerun.unlink(missing_ok=True)
+            if ids:
+                secs = run_pytest(test_dir, fname, "tpu", rerun, args, ids)
+                print(f"  re-ran {len(ids)} tests of {fname} [tpu] in {secs:.0f} s", flush=True)
+        elif not args.report_only:
+            rerun.unlink(missing_ok=True)
+            rerun.with_suffix(".jsonl").unlink(missing_ok=True)
             for dev in ("tpu", "cpu"):
                 if args.device in ("both", dev):
                     secs = run_pytest(test_dir, fname, dev, xml[dev], args)
                     print(f"  ran {fname} [{dev}] in {secs:.0f} s", flush=True)
-        s = summarize(fname, parse_junit(xml["tpu"]), parse_junit(xml["cpu"]))
+        tpu = parse_junit(xml["tpu"])
+        rerun_results = parse_junit(rerun) if rerun.exists() or rerun.with_suffix(".jsonl").exists() else {}
+        tpu.update(rerun_results)
+        s = summarize(fname, tpu, parse_junit(xml["cpu"]))
         log = xml["tpu"].with_suffix(".log")
         text = log.read_text() if log.exists() else ""
         s["tpu_run"] = text.splitlines()[0] if text else ""
+        if rerun_results:
+            first = rerun.with_suffix(".log").read_text().splitlines()[0]
+            s["tpu_run"] += (f"; re-run of {len(rerun_results)} tests ({sum(o == 'passed' for o, _ in rerun_results.values())}"
+                             f" passed): {first}")
         if "*** interrupted" in text:
             s["tpu_run"] += " (interrupted by --file-time-limit: only the tests it reached are counted)"
         summaries.append(s)
