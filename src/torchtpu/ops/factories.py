@@ -156,16 +156,69 @@ def _check_steps(steps: int) -> None:
         raise RuntimeError("number of steps must be non-negative")
 
 
+def _divide(x, n: int):
+    """``x / n`` as a real division. XLA rewrites a division by a constant into a product with
+    the rounded reciprocal, which can be an ulp off PyTorch's quotient (and then a point of an
+    integer linspace truncates to the integer below)."""
+    from jax import lax
+
+    return x / lax.optimization_barrier(jnp.asarray(n, x.dtype))
+
+
 def _spaced(start, end, steps: int, compute):
     """PyTorch's linspace of ``steps >= 2`` points in ``compute``: the first half counts up from
     ``start``, the second down from ``end``."""
     import numpy as np
 
-    step = (end - start) / (steps - 1)
+    step = _divide(end - start, steps - 1)
     idx = np.arange(steps)
     up = start + step * idx.astype(compute)
     down = end - step * (steps - idx - 1).astype(compute)
     return jnp.where(idx < steps // 2, up, down)
+
+
+def _two_sum(a, b):
+    """Knuth's TwoSum: ``s + err == a + b`` exactly, ``s`` the rounded sum."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _multiply_add(a, s, k):
+    """``a + s * k`` in float64 rounded once, as a fused multiply-add gives it (``k``: whole
+    numbers below 2**26 in magnitude). ``s`` is split into two halves whose products with ``k``
+    are exact; the three terms are then summed with one rounding (Boldo and Melquiond's sum
+    through round-to-odd), so neither the compiler's contraction nor double rounding can move
+    the result."""
+    from jax import lax
+
+    bits = lax.bitcast_convert_type(s, jnp.uint64)
+    high = lax.bitcast_convert_type(bits & jnp.uint64(~((1 << 27) - 1) & (2**64 - 1)), jnp.float64)
+    p1, p2 = high * k, (s - high) * k
+    uh, ul = _two_sum(p1, p2)
+    th, tl = _two_sum(a, uh)
+    v, err = _two_sum(tl, ul)
+    even = (lax.bitcast_convert_type(v, jnp.uint64) & jnp.uint64(1)) == 0
+    v = jnp.where((err != 0) & even, jnp.nextafter(v, jnp.where(err > 0, jnp.inf, -jnp.inf)), v)
+    return th + v
+
+
+def _spaced_integral(start, end, steps: int):
+    """PyTorch's CPU linspace for an integer dtype (``start``, ``end``: the truncated endpoints
+    in float64; ``steps >= 2``): the step in double; point i below ``steps // 2`` is
+    ``start + step * i``, the others ``end - step * (steps - 1 - i)``, each computed as one fused
+    multiply-add (the CPU kernel is built with FMA contraction) and truncated; the endpoints are
+    exact."""
+    import numpy as np
+
+    step = _divide(end - start, steps - 1)
+    idx = np.arange(steps)
+    first = idx < steps // 2
+    base = jnp.where(first, start, end)
+    k = np.where(first, idx, idx - (steps - 1)).astype(np.float64)
+    points = _multiply_add(base, step, k)
+    points = jnp.where(idx == 0, start, jnp.where(idx == steps - 1, end, points))
+    return points
 
 
 def _bound(value, dtype):
@@ -187,6 +240,8 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
     start, end = (_bound(v, jdt).astype(compute) for v in (start, end))
     if steps <= 1:
         return jnp.full((steps,), start, compute).astype(jdt)
+    if jnp.issubdtype(jdt, jnp.integer):
+        return _spaced_integral(start, end, steps).astype(jdt)
     return _spaced(start, end, steps, compute).astype(jdt)
 
 
