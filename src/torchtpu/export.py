@@ -216,10 +216,15 @@ class StableHLO:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the artifact directory (``export_runtime`` describes it); returns its path."""
+        try:
+            program = self.exported.serialize()
+        except ImportError as exc:  # jax.export's serialisation imports flatbuffers, not a jax dependency
+            raise ImportError(f"torchtpu.export: saving needs flatbuffers: pip install 'torchtpu[export]' "
+                              f"({exc})") from exc
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, runtime.PROGRAM_FILE), "wb") as f:
-            f.write(self.exported.serialize())
+            f.write(program)
         stored = {name: w.view(runtime.stored_dtype(w.dtype)) for name, w in self.weights.items()}
         np.savez(os.path.join(path, runtime.WEIGHTS_FILE), **stored)
         with open(os.path.join(path, runtime.MANIFEST_FILE), "w") as f:
@@ -244,7 +249,7 @@ def to_stablehlo(exported_program: ExportedProgram, *, platforms: tuple[str, ...
     ``UnsupportedOpError`` naming each op that cannot be lowered."""
     if not isinstance(exported_program, ExportedProgram):
         raise TypeError(f"to_stablehlo takes a torch.export.ExportedProgram, not {type(exported_program).__name__}")
-    from torchtpu.compile.backend import decompositions
+    from torchtpu.compile.decompositions import decompositions
 
     registry.load_all()
     ep = exported_program.run_decompositions(decompositions())

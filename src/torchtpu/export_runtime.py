@@ -126,7 +126,11 @@ def load(path: str, *, device_put: bool = True) -> Program:
     if needs_x64(manifest) and not jax.config.jax_enable_x64:
         jax.config.update("jax_enable_x64", True)
     with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
+        data = bytearray(f.read())
+    try:
+        exported = jax.export.deserialize(data)
+    except ImportError as exc:  # jax.export reads the program with flatbuffers, not a jax dependency
+        raise ImportError(f"loading {path} needs flatbuffers: pip install flatbuffers ({exc})") from exc
     weights: dict[str, Any] = load_weights(path, manifest)
     if device_put:
         weights = jax.device_put(weights)
