@@ -1,4 +1,4 @@
-"""The ``torchtpu`` command: ``info``, ``doctor``, ``demo`` and ``bench``."""
+"""The ``torchtpu`` command: ``info``, ``doctor``, ``demo``, ``bench`` and ``export`` (export_cli.py)."""
 
 from __future__ import annotations
 
@@ -340,6 +340,10 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run benchmarks/run_all.py of the source checkout; other arguments "
                                          "go to it (--list, --only NAME, --timeout S)")
     bench.set_defaults(fn=cmd_bench)
+
+    from torchtpu import export_cli  # torchtpu.export's command (it imports nothing heavy until run)
+
+    export_cli.add_parser(sub)
     return p
 
 
