@@ -14,7 +14,7 @@ import os
 import time
 
 # Accelerate (1.15) has no tpu in its list of default devices; without this, Trainer's Accelerator
-# moves the model back to the CPU. Set before TrainingArguments is built (README, Hugging Face).
+# moves the model back to the CPU. Set before TrainingArguments is built (docs/transformers.md).
 os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "tpu")
 
 import torch  # noqa: E402  (`import torch` loads torchtpu)

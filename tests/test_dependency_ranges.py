@@ -33,11 +33,13 @@ def test_installed_release_is_in_range(req):
         f"{req.name} {installed} is outside pyproject.toml's {req}")
 
 
-def test_readme_names_the_tested_jax_releases():
-    """The README's Compatibility section names the jax releases the range was run with."""
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", ["docs/compatibility.md", "README.md"])
+def test_compatibility_names_the_tested_jax_releases(page):
+    """The Compatibility section of docs/compatibility.md (the table) and of the README (its
+    pointer to the table) names the jax releases the range was run with."""
+    text = (ROOT / page).read_text()
     section = text.split("## Compatibility", 1)[1].split("\n## ", 1)[0]
     (req,) = [r for r in DEPENDENCIES if r.name == "jax"]
     named = {Version(v) for v in __import__("re").findall(r"jax (\d+\.\d+\.\d+)", section)}
-    assert named and all(req.specifier.contains(v) for v in named), (named, str(req))
-    assert Version(md.version("jax")) in named, "the jax CI runs is not named in the README"
+    assert named and all(req.specifier.contains(v) for v in named), (page, named, str(req))
+    assert Version(md.version("jax")) in named, f"the jax CI runs is not named in {page}"

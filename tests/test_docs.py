@@ -1,14 +1,16 @@
-"""What a new user meets first: the README and ``examples/``.
+"""What a new user meets first: the README, the pages of ``docs/`` and ``examples/``.
 
 - The README's environment-variable table is generated from the settings module.
-- Every fenced ``python`` block of the README runs, in a fresh namespace, and every ``bash``
-  block in ``bash -e``, unless ``SKIP`` names it (by its first line, spaces collapsed; by
-  ``"section :: first line"`` where several blocks start alike) with the reason. A new block
+- Every fenced ``python`` block of the README and of the ``docs/`` pages in ``PAGES`` runs, in a
+  fresh namespace, and every ``bash`` block in ``bash -e``, unless ``SKIP`` names it (by its first
+  line, spaces collapsed; by ``"section :: first line"`` where several blocks start alike, the
+  section being the ``## `` heading it is under, on whichever page) with the reason. A new block
   is run by default; one that fails turns the suite red. A fragment that assumes names defined
   elsewhere (``model``, ``x``, ``loader``) gets them from ``SETUP``, run first in the same
   namespace; the block itself runs as written. ``CHECK`` adds assertions after a few blocks.
-  Blocks run in this process (tracebacks give README line numbers) with its process-wide
-  settings restored afterwards, except those in ``OWN_PROCESS``, whose effect cannot be undone.
+  Blocks run in this process (tracebacks give the page's line numbers, ``page:line``) with its
+  process-wide settings restored afterwards, except those in ``OWN_PROCESS``, whose effect
+  cannot be undone.
 - Every ``examples/*.py`` runs as ``python examples/X.py`` (with arguments that shorten it), and
   one that needs an extra says which to install, rather than ending in an ImportError traceback.
 """
@@ -31,7 +33,27 @@ from torchtpu.config import env_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 EXAMPLES = ROOT / "examples"
+# The pages whose code blocks run, README first. The docs pages made from README sections keep
+# their "## " headings, so SKIP, SETUP and CHECK name their blocks as they did in the README.
+PAGES = [
+    "README.md",
+    "docs/compatibility.md",
+    "docs/training.md",
+    "docs/attention.md",
+    "docs/kernels.md",
+    "docs/distributed.md",
+    "docs/torch_tpu.md",
+    "docs/transformers.md",
+    "docs/diffusers.md",
+    "docs/litert.md",
+    "docs/ray.md",
+    "docs/torchtitan.md",
+    "docs/sglang.md",
+    "docs/vllm.md",
+    "docs/diagnostics.md",
+]
 
 PYTHON = {"python", "py", "python3"}
 SHELL = {"bash", "sh", "shell", "console"}
@@ -41,14 +63,20 @@ def test_readme_env_table_matches_settings():
     assert env_table() in README.read_text(), "regenerate the README table with `torchtpu info --env`"
 
 
-# ---------------------------------------------------------------- the README's code blocks
+# ---------------------------------------------------------------- the code blocks of the README and docs pages
 
 @dataclass(frozen=True)
 class Block:
     lang: str      # "python" or "bash"
-    line: int      # the README line of its first code line (1-based)
+    page: str      # the page it is on, relative to the repository root ("README.md", "docs/x.md")
+    line: int      # the page's line of its first code line (1-based)
     section: str   # the "## " heading it is under
     source: str
+
+    @property
+    def where(self) -> str:
+        """``page:line``, as a failure names it."""
+        return f"{self.page}:{self.line}"
 
     @property
     def first_line(self) -> str:
@@ -61,8 +89,8 @@ class Block:
         return name in (self.first_line, f"{self.section} :: {self.first_line}")
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The README's fenced python and shell blocks (a fence without a language is not code)."""
+def page_blocks(page: str, text: str) -> list[Block]:
+    """A page's fenced python and shell blocks (a fence without a language is not code)."""
     blocks, section, fence = [], "", None
     for number, line in enumerate(text.splitlines(), 1):
         if fence is None:
@@ -74,16 +102,17 @@ def readme_blocks(text: str) -> list[Block]:
             lang, start, body = fence
             fence = None
             if lang in PYTHON or lang in SHELL:
-                blocks.append(Block("python" if lang in PYTHON else "bash", start, section, "\n".join(body) + "\n"))
+                blocks.append(Block("python" if lang in PYTHON else "bash", page, start, section,
+                                    "\n".join(body) + "\n"))
         else:
             fence[2].append(line)
-    assert fence is None, f"README.md: the code fence opened at line {fence[1] - 1} is never closed"
+    assert fence is None, f"{page}: the code fence opened at line {fence[1] - 1} is never closed"
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for page in PAGES for block in page_blocks(page, (ROOT / page).read_text())]
 
-# Blocks that do not run here, by first line, with the reason. Each must name a README block.
+# Blocks that do not run here, by first line, with the reason. Each must name a block of PAGES.
 SKIP = {
     "pip install -e . && torchtpu demo # install, then run the main job":
         "installs the package (the tests run in the installed checkout); `torchtpu demo` takes minutes",
@@ -217,20 +246,26 @@ def _entry(table: dict[str, str], block: Block) -> str | None:
 
 
 def _names_problems() -> list[str]:
-    """Entries of SKIP, SETUP, CHECK and OWN_PROCESS that do not name exactly one README block."""
+    """Entries of SKIP, SETUP, CHECK and OWN_PROCESS that do not name exactly one block of PAGES."""
     problems = []
     for table in ("SKIP", "SETUP", "CHECK", "OWN_PROCESS"):
         for name in globals()[table]:
-            found = [f"README.md:{b.line}" for b in BLOCKS if b.named(name)]
+            found = [b.where for b in BLOCKS if b.named(name)]
             if len(found) != 1:
-                problems.append(f"{table}[{name!r}] names {len(found)} README blocks {found}: give it the block's "
+                problems.append(f"{table}[{name!r}] names {len(found)} blocks {found}: give it the block's "
                                 "first line (\"section :: first line\" where several start alike)")
     return problems
 
 
+def test_pages_exist():
+    """Every page of PAGES is there (a page renamed or removed must leave the list, not its blocks unrun)."""
+    missing = [page for page in PAGES if not (ROOT / page).is_file()]
+    assert not missing and len(set(PAGES)) == len(PAGES), missing
+
+
 def test_readme_block_names_are_current():
-    """Every entry of SKIP, SETUP, CHECK and OWN_PROCESS names one README block: an edited block's
-    entries must follow it, and a removed block's go."""
+    """Every entry of SKIP, SETUP, CHECK and OWN_PROCESS names one block of the README or a page of
+    PAGES: an edited block's entries must follow it, and a removed block's go."""
     assert not _names_problems(), "\n".join(_names_problems())
     skipped = [b for b in BLOCKS if _entry(SKIP, b) is not None]
     assert not [b for b in skipped if _entry(SETUP, b) or _entry(CHECK, b) or _entry(OWN_PROCESS, b)], \
@@ -238,20 +273,21 @@ def test_readme_block_names_are_current():
 
 
 def _block_id(block: Block) -> str:
-    same = [b for b in BLOCKS if b.section == block.section]
+    same = [b for b in BLOCKS if b.page == block.page and b.section == block.section]
     suffix = f"-{same.index(block) + 1}" if len(same) > 1 else ""
     section = re.sub(r"[^A-Za-z0-9]+", "_", block.section).strip("_") or "intro"
-    return f"{block.lang}:{section}{suffix}"
+    page = "" if block.page == "README.md" else f"{Path(block.page).stem}:"
+    return f"{block.lang}:{page}{section}{suffix}"
 
 
 def _script(block: Block) -> tuple[str, str]:
-    """The set-up, and the block padded with blank lines so that its line numbers are the README's."""
+    """The set-up, and the block padded with blank lines so that its line numbers are its page's."""
     return _entry(SETUP, block) or "", "\n" * (block.line - 1) + block.source
 
 
 @pytest.fixture
 def process_settings():
-    """Restore what a README block may set for the whole process (eager mode, matmul precision,
+    """Restore what a block may set for the whole process (eager mode, matmul precision,
     default dtype and device index, the environment and working directory, the default process
     group)."""
     import torch.distributed as dist
@@ -278,12 +314,12 @@ def _run_in_process(block: Block, tmp_path: Path) -> None:
     failure = None
     try:
         exec(compile(setup, "<SETUP>", "exec"), namespace)
-        exec(compile(code, str(README), "exec"), namespace)
+        exec(compile(code, str(ROOT / block.page), "exec"), namespace)
         exec(compile(_entry(CHECK, block) or "", "<CHECK>", "exec"), namespace)
-    except Exception:  # the traceback from the block on (pytest's would print the README from its top)
+    except Exception:  # the traceback from the block on (pytest's would print the page from its top)
         failure = traceback.format_exc()
     if failure:
-        pytest.fail(f"README.md:{block.line} ({block.section}) failed:\n{failure}", pytrace=False)
+        pytest.fail(f"{block.where} ({block.section}) failed:\n{failure}", pytrace=False)
 
 
 def _run_in_subprocess(block: Block, tmp_path: Path) -> None:
@@ -291,7 +327,7 @@ def _run_in_subprocess(block: Block, tmp_path: Path) -> None:
     runner = textwrap.dedent(f"""
         import sys
         namespace = {{"__name__": "__readme__"}}
-        for source, filename in zip(sys.argv[1:4], ("<SETUP>", {str(README)!r}, "<CHECK>")):
+        for source, filename in zip(sys.argv[1:4], ("<SETUP>", {str(ROOT / block.page)!r}, "<CHECK>")):
             exec(compile(open(source).read(), filename, "exec"), namespace)
         """)
     paths = []
@@ -300,7 +336,7 @@ def _run_in_subprocess(block: Block, tmp_path: Path) -> None:
         paths.append(str(tmp_path / name))
     proc = subprocess.run([sys.executable, "-c", runner, *paths], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"README.md:{block.line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[_block_id(b) for b in BLOCKS])
@@ -312,7 +348,7 @@ def test_readme_block_runs(block: Block, tmp_path, request):
     if block.lang == "bash":
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.source], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
-        assert proc.returncode == 0, f"README.md:{block.line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        assert proc.returncode == 0, f"{block.where} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     elif _entry(OWN_PROCESS, block) is not None:
         _run_in_subprocess(block, tmp_path)
     else:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the venv that tests/test_torchtitan.py and the README's TorchTitan commands run in.
+# Build the venv that tests/test_torchtitan.py and docs/torchtitan.md's commands run in.
 #
 #   tools/torchtitan_env.sh [VENV_DIR]          (default /tmp/titanenv)
 #
