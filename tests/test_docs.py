@@ -11,6 +11,8 @@
   Blocks run in this process (tracebacks give the page's line numbers, ``page:line``) with its
   process-wide settings restored afterwards, except those in ``OWN_PROCESS``, whose effect
   cannot be undone.
+- Every relative link of the README and of ``docs/*.md`` leads to a file of the repository, and
+  a link's ``#anchor`` to a heading of the page it names.
 - Every ``examples/*.py`` runs as ``python examples/X.py`` (with arguments that shorten it), and
   one that needs an extra says which to install, rather than ending in an ImportError traceback.
 """
@@ -354,6 +356,88 @@ def test_readme_block_runs(block: Block, tmp_path, request):
     else:
         request.getfixturevalue("process_settings")
         _run_in_process(block, tmp_path)
+
+
+# ---------------------------------------------------------------- links
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+)(?:(?!\n[ \t]*\n).)+?\1", re.S)  # inline code, never across a blank line
+_LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^()\s<>]*(?:\([^()\s]*\)[^()\s<>]*)*)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
+_HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+_HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"", re.I)
+
+
+def _blank(match: re.Match) -> str:
+    """The match's text with every character but newlines blanked, so positions keep their lines."""
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def _prose(text: str) -> str:
+    """The page without its code blocks and code spans (a link there is text, not a link)."""
+    return _CODE_SPAN.sub(_blank, _FENCE.sub(_blank, text))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text (a link's text, not its target), lower case, without
+    punctuation other than ``-`` and ``_``, spaces as ``-``."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown page: its headings' (``-1``, ``-2`` for repeats) and ``<a name>``s."""
+    text = path.read_text()
+    anchors, seen = set(), {}
+    for heading in _HEADING.findall(_FENCE.sub(_blank, text)):
+        slug = _slug(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors | set(_HTML_ANCHOR.findall(text))
+
+
+def _links(path: Path) -> list[tuple[int, str]]:
+    """A page's link targets (inline and reference definitions), with their line numbers."""
+    prose = _prose(path.read_text())
+    found = [(m.start(1), m.group(1)) for pattern in (_LINK, _REFERENCE) for m in pattern.finditer(prose)]
+    return sorted((prose.count("\n", 0, start) + 1, target) for start, target in found)
+
+
+LINKED_PAGES = [README, *sorted(DOCS.glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path):
+    """Every relative link of the page names a file or folder of the repository, and its
+    ``#anchor``, where it has one and names a Markdown page, a heading of that page."""
+    broken = []
+    for line, target in _links(path):
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", target) or target.startswith("//"):
+            continue  # http:, https:, mailto:: outside the repository
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        where = f"{path.relative_to(ROOT)}:{line}: {target}"
+        if not resolved.exists():
+            broken.append(f"{where} (no such file)")
+        elif ROOT not in resolved.parents and resolved != ROOT:
+            broken.append(f"{where} (outside the repository)")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{where} (no heading with that anchor)")
+    assert not broken, "\n".join(broken)
+
+
+def test_link_check_finds_links():
+    """The link check sees what it checks: the README links each page made from its sections, and
+    a broken link, a link in code and a heading's anchor are told apart."""
+    readme_targets = {target for _, target in _links(README)}
+    moved = [page for page in PAGES[1:] if page not in readme_targets]
+    assert not moved, f"README.md does not link {moved}"
+    sample = "[a](x.md#one) `[b](code.md)`\n```\n[c](fenced.md)\n```\n[d]: y.md\n"
+    assert [m.group(1) for m in _LINK.finditer(_prose(sample))] == ["x.md#one"]
+    assert [m.group(1) for m in _REFERENCE.finditer(_prose(sample))] == ["y.md"]
+    assert _slug("JAX and Pallas kernels as torch ops: `torchtpu.jax_op`") == \
+        "jax-and-pallas-kernels-as-torch-ops-torchtpujax_op"
+    assert _slug("Distributed: torchrun, DDP, FSDP2, tensor parallel") == "distributed-torchrun-ddp-fsdp2-tensor-parallel"
 
 
 # ---------------------------------------------------------------- examples/*.py
