@@ -10,52 +10,21 @@ of one ``CompiledGraph`` per consecutive piece of one group (``collectives.py``)
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
-from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
-from torchtpu.compile import collectives, graph as graph_lowering, warm
+from torchtpu.compile import warm
 from torchtpu.compile.cache import compiler_options
-from torchtpu.compile.executable import CompiledGraph, PiecewiseGraph
+from torchtpu.compile.decompositions import decompositions
+from torchtpu.compile.executable import build_graph
 from torchtpu.compile.graph_code import GraphCode
-from torchtpu.ops import registry
 
 # torch.compile's ``mode`` tunes Inductor; XLA has no equivalent, so they are accepted and ignored.
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-@functools.cache
-def _decompositions(nlowerings: int) -> dict:
-    """Core-aten decompositions, minus ops we lower directly, plus any that lack a lowering."""
-    del nlowerings  # the cache key: rebuild when ops are added to the registry
-    table = {op: fn for op, fn in core_aten_decompositions().items() if not graph_lowering.has_lowering(op)}
-    for op, fn in decomposition_table.items():
-        if op not in table and not graph_lowering.has_lowering(op) and _functional(op):
-            table[op] = fn
-    return table
-
-
-def _functional(op) -> bool:
-    schema = getattr(op, "_schema", None)
-    if schema is None:  # higher-order operators
-        return False
-    return not schema.is_mutable and not any(a.is_out for a in schema.arguments)
-
-
-def decompositions() -> dict:
-    """The decomposition table aot_autograd traces with."""
-    return _decompositions(len(registry.load_all()))
-
-
-def build_graph(gm: GraphModule, kind: str, options: dict[str, Any]):
-    """One aot_autograd graph as a callable: one program, or one per piece of one collective group."""
-    several_groups = len(collectives.groups(gm)) > 1  # collectives of several groups: one program each
-    return (PiecewiseGraph if several_groups else CompiledGraph)(gm, kind, options)
 
 
 def _compiler(kind: str, options: dict[str, Any], cache_key: str | None) -> Callable:

@@ -27,6 +27,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from torchtpu.compile import cache, collectives
+from torchtpu.compile import flex_attention  # noqa: F401  (registers its HOP lowerings with graph.py)
 from torchtpu.compile.graph import GraphFunction, base_key
 from torchtpu.distributed import programs
 from torchtpu.config import config
@@ -308,3 +309,9 @@ def _device_index(args: list) -> int:
         if isinstance(a, torch.Tensor) and a.device.type == "tpu":
             return a.get_device()
     return state.current_device()
+
+
+def build_graph(gm: GraphModule, kind: str, options: dict[str, Any]):
+    """One aot_autograd graph as a callable: one program, or one per piece of one collective group."""
+    several_groups = len(collectives.groups(gm)) > 1  # collectives of several groups: one program each
+    return (PiecewiseGraph if several_groups else CompiledGraph)(gm, kind, options)

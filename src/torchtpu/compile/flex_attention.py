@@ -109,6 +109,7 @@ def lower_backward(q, k, v, out, lse, grad_out, grad_lse, fw_graph, joint_graph,
 # their dots follow torch's matmul precision: a graph holding them keys its programs on the setting
 lower_forward.dots = lower_backward.dots = True
 LOWERINGS = {"flex_attention": lower_forward, "flex_attention_backward": lower_backward}
+graph_lowering.HOP_LOWERINGS.update(LOWERINGS)  # the graph interpreter lowers the HOPs through these
 
 
 def lowering_for(target) -> Callable | None:
@@ -129,7 +130,7 @@ def _aten_graph(fn: Callable, scalars: tuple, device: torch.device, buffers: tup
     key = (fn, scalars, device, tuple((tuple(b.shape), b.dtype, b.device) for b in buffers))
     gm = _graphs.get(key)
     if gm is None:
-        from torchtpu.compile.backend import decompositions  # backend -> graph -> here: import at use
+        from torchtpu.compile.decompositions import decompositions
 
         examples = [torch.zeros((), dtype=dtype, device=device) for dtype in scalars]
         with TransformGetItemToIndex():  # buffer[h] with a tensor index traces as aten.index

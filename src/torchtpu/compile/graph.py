@@ -20,7 +20,7 @@ from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from torchtpu.compile import collectives, flex_attention
+from torchtpu.compile import collectives
 from torchtpu.ops import checks, registry
 from torchtpu.runtime import platform, rng
 
@@ -59,11 +59,23 @@ def _with_effects(token, op: OpOverload, *args, **kwargs):
     return (token, *outs)
 
 
+# Lowerings of higher-order ops, by name, registered by the module that owns each (flex_attention's:
+# ``compile/flex_attention.py``, imported by ``executable.py`` and ``torchtpu.export``). They lower
+# their subgraphs through this module's interpreter, so this module cannot import them.
+HOP_LOWERINGS: dict[str, Callable] = {}
+
+
+def _hop_lowering(target) -> Callable | None:
+    if not isinstance(target, torch._ops.HigherOrderOperator):
+        return None
+    return HOP_LOWERINGS.get(getattr(target, "_name", None))
+
+
 def _resolve(node: Node, random_count: int) -> _Step:
     target = node.target
     if target is torch.ops.higher_order.with_effects:
         return _Step(node, _with_effects)
-    hop = flex_attention.lowering_for(target)  # flex_attention's HOPs: their subgraphs are traced in
+    hop = _hop_lowering(target)  # flex_attention's HOPs: their subgraphs are traced in
     if hop is not None:
         return _Step(node, hop)
     if not isinstance(target, OpOverload):

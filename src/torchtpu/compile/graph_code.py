@@ -59,7 +59,7 @@ class GraphCode(OutputCode):
         if self.graph is not None:
             return
         try:
-            from torchtpu.compile.backend import decompositions
+            from torchtpu.compile.decompositions import decompositions
 
             if self.key != key(self.options, decompositions()):
                 raise RuntimeError("it was made by another torchtpu, JAX, platform or decomposition table")
@@ -86,7 +86,7 @@ def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from torchtpu.compile.backend import build_graph
+    from torchtpu.compile.executable import build_graph
 
     gm = GraphPickler.loads(pickled_gm, FakeTensorMode(shape_env=ShapeEnv()))
     return build_graph(gm, kind, options)
