@@ -93,6 +93,8 @@ def test_initialise_and_list(client):
     assert {"torchtpu://environment", "torchtpu://op-coverage", "torchtpu://known-limits"} <= uris
     env = client(lambda s: s.read_resource("torchtpu://environment"))
     assert "TORCHTPU_CPU_FALLBACK" in env.contents[0].text
+    limits = client(lambda s: s.read_resource("torchtpu://known-limits"))
+    assert "Known limits" in limits.contents[0].text
 
 
 def test_run_names_the_problems(report):

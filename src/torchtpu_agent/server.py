@@ -233,12 +233,9 @@ def build() -> MCPServer:
     @server.resource("torchtpu://environment", name="environment", mime_type="text/markdown",
                      description="torchtpu's environment variables: name, default, meaning")
     def environment() -> str:
-        readme = _repo_file("README.md")
-        if readme is not None:
-            text = readme.read_text()
-            section = _section(text, "## Environment variables")
-            if section:
-                return section
+        section = _find_section("## Environment variables")
+        if section:
+            return section
         return "Run `torchtpu info --env` (or the `info` tool) for the environment-variable table."
 
     @server.resource("torchtpu://op-coverage", name="op-coverage", mime_type="text/markdown",
@@ -250,11 +247,22 @@ def build() -> MCPServer:
     @server.resource("torchtpu://known-limits", name="known-limits", mime_type="text/markdown",
                      description="What torchtpu does differently from CUDA or does not support")
     def known_limits() -> str:
-        readme = _repo_file("README.md")
-        section = _section(readme.read_text(), "## Known limits") if readme else None
+        section = _find_section("## Known limits")
         return section or "See the Known limits section of torchtpu's README."
 
     return server
+
+
+def _find_section(heading: str) -> str | None:
+    """A ``## `` section of the README, or of a page of docs/ (sections move there as the README shrinks)."""
+    readme = _repo_file("README.md")
+    if readme is None:
+        return None
+    for page in [readme, *sorted((readme.parent / "docs").glob("*.md"))]:
+        section = _section(page.read_text(), heading)
+        if section:
+            return section
+    return None
 
 
 def _section(text: str, heading: str) -> str | None:
