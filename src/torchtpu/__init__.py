@@ -23,6 +23,7 @@ def _autoload() -> None:
 
 from torchtpu import tpu_module as _tpu_module  # noqa: E402
 from torchtpu.compile import install as _install_compile  # noqa: E402
+from torchtpu.device import dlpack as _dlpack  # noqa: E402
 from torchtpu.device.registration import register as _register  # noqa: E402
 from torchtpu.distributed import register as _register_distributed  # noqa: E402
 from torchtpu.flex_attention import install as _install_flex_attention  # noqa: E402
@@ -44,6 +45,7 @@ _register(_tpu_module.build())
 _install_compile()
 _register_distributed()
 _install_flex_attention()
+_dlpack.install()  # at import: names bound later (``from torch.utils.dlpack import to_dlpack``) are these
 _state.on_start(_start_layers)
 
 # Public names whose modules import JAX: imported on first access.

