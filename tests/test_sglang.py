@@ -194,7 +194,7 @@ def running_server(model_dir, log: Path, *options: str):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, log)
-        yield openai.OpenAI(base_url=url + "/v1", api_key="-", timeout=120)
+        yield openai.OpenAI(base_url=url + "/v1", api_key="-", timeout=300)  # 64 requests queue on a 2-core CPU server
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -2,14 +2,17 @@
 # The integration tier: each integration's environment, then a representative selection of its
 # tests in it. What CI runs after the default suite (.ci/run); a user can run the same.
 #
-#   tools/integration_tests.sh [PART...]     parts: vllm sglang extras torchtitan (default: all)
+#   tools/integration_tests.sh [PART...]           parts: vllm sglang extras torchtitan (default: all)
+#   tools/integration_tests.sh --build [PART...]   only build (or reuse) the parts' venvs, all at once
 #
 # Environments: tools/vllm_env.sh, tools/sglang_env.sh, tools/extras_env.sh (Transformers,
 # Diffusers, LiteRT, Ray) and tools/torchtitan_env.sh build one venv each under
 # $TORCHTPU_INTEGRATION_CACHE (default ~/.cache/torchtpu-integration). A venv is reused while
 # its inputs are unchanged: the builder script, the interpreter's Python, torch and jax versions,
 # and, for the extras, pyproject.toml's optional dependencies (a stamp file holds their hash);
-# otherwise it is built again from scratch. A build that fails (pip, the network) is retried
+# otherwise it is built again from scratch. `--build` builds every part's venv at the same time
+# (the builds wait on the network more than on the CPU; .ci/run starts them in the background
+# while the default suite runs), and a later run without it reuses them. A build that fails (pip, the network) is retried
 # 3 times with a growing pause; one that still fails is reported as an environment failure,
 # not as a test failure, and fails the run.
 #
@@ -170,23 +173,52 @@ leftovers() {  # processes started from a venv of the tier that are still runnin
 }
 
 # ------------------------------------------------------------------ the parts
-part_vllm() { ensure_env vllm tools/vllm_env.sh && run_tests vllm "${VLLM_TESTS[@]}"; }
-part_sglang() { ensure_env sglang tools/sglang_env.sh && run_tests sglang "${SGLANG_TESTS[@]}"; }
-part_extras() {
-    local extras
-    extras=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'])")
-    ensure_env extras tools/extras_env.sh "$extras" && run_tests extras "${EXTRAS_TESTS[@]}"
-}
-part_torchtitan() { ensure_env torchtitan tools/torchtitan_env.sh && run_tests torchtitan -m slow "${TORCHTITAN_TESTS[@]}"; }
+part_vllm() { build_part vllm && run_tests vllm "${VLLM_TESTS[@]}"; }
+part_sglang() { build_part sglang && run_tests sglang "${SGLANG_TESTS[@]}"; }
+part_extras() { build_part extras && run_tests extras "${EXTRAS_TESTS[@]}"; }
+part_torchtitan() { build_part torchtitan && run_tests torchtitan -m slow "${TORCHTITAN_TESTS[@]}"; }
 
+BUILD_ONLY=0
+if [[ ${1:-} == --build ]]; then
+    BUILD_ONLY=1
+    shift
+fi
 PARTS=("$@")
 (( ${#PARTS[@]} )) || PARTS=(vllm sglang extras torchtitan)
-TOTAL_START=$(now)
 for part in "${PARTS[@]}"; do
     case $part in
-        vllm|sglang|extras|torchtitan) "part_$part" ;;
+        vllm|sglang|extras|torchtitan) ;;
         *) echo "unknown part: $part (vllm sglang extras torchtitan)" >&2; exit 2 ;;
     esac
+done
+
+build_part() {  # the venv of one part (what part_<name> builds before its tests)
+    case $1 in
+        vllm) ensure_env vllm tools/vllm_env.sh ;;
+        sglang) ensure_env sglang tools/sglang_env.sh ;;
+        torchtitan) ensure_env torchtitan tools/torchtitan_env.sh ;;
+        extras) ensure_env extras tools/extras_env.sh "$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'])")" ;;
+    esac
+}
+
+if (( BUILD_ONLY )); then
+    start=$(now)
+    pids=()
+    for part in "${PARTS[@]}"; do
+        (build_part "$part"; rc=$?; printf '%s\n' "${REPORT[@]}"; exit $rc) > "$LOGS/build-$part.out" 2>&1 &
+        pids+=($!)
+    done
+    rc=0
+    for i in "${!PARTS[@]}"; do
+        wait "${pids[$i]}" || rc=1
+        cat "$LOGS/build-${PARTS[$i]}.out"
+    done
+    echo "== integration venvs: $(($(now) - start)) s for ${PARTS[*]}$( ((rc)) && echo ' (an ENVIRONMENT FAILED: see above; not a test result)')"
+    exit $rc
+fi
+TOTAL_START=$(now)
+for part in "${PARTS[@]}"; do
+    "part_$part"
     left=$(leftovers)
     if [[ -n $left ]]; then
         echo "== processes left behind by $part:" >&2
