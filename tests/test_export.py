@@ -1,7 +1,7 @@
 """``torchtpu.export``: torch.export programs to StableHLO artifacts that run in JAX without torch.
 
-Three models (a CNN, an MLP, a small transformer encoder layer) are exported once, with a
-dynamic batch dimension, and saved; a fresh interpreter that imports no torch loads each
+Four models (a CNN, an MLP, a small transformer encoder layer, and an embedding with int64 ids
+and bfloat16 weights) are exported once, with a dynamic batch dimension, and saved; a fresh interpreter that imports no torch loads each
 artifact (through the ``load.py`` written into it, and through bare ``jax.export``) and runs it
 at several batch sizes against torch's outputs, saved beside it.
 """
@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -56,21 +57,40 @@ def _transformer():
     return nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, dropout=0.1, batch_first=True)
 
 
-MODELS = {  # name -> (module factory, one example's shape)
+class Embedding(nn.Module):
+    """int64 inputs and bfloat16 weights: the loader turns on x64 and views the weights back."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8).to(torch.bfloat16)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).float())
+
+
+MODELS = {  # name -> (module factory, one example's shape; None: int64 token ids of length 7)
     "cnn": (CNN, (3, 16, 16)),
     "mlp": (MLP, (12,)),
     "transformer": (_transformer, (6, 16)),
+    "embedding": (Embedding, None),
 }
 
 
+def _example(name: str, batch: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    shape = MODELS[name][1]
+    if shape is None:
+        return torch.randint(0, 50, (batch, 7), generator=gen)
+    return torch.randn(batch, *shape, generator=gen)
+
+
 def _export(name: str, max_batch: int = 1024):
-    factory, shape = MODELS[name]
     torch.manual_seed(0)
-    model = factory().eval()
+    model = MODELS[name][0]().eval()
     if name == "cnn":  # BatchNorm with statistics of its own, not the identity
         model.bn.running_mean.uniform_(-0.5, 0.5)
         model.bn.running_var.uniform_(0.5, 2.0)
-    ep = export(model, (torch.randn(2, *shape),), dynamic_shapes=({0: Dim("batch", max=max_batch)},))
+    ep = export(model, (_example(name, 2),), dynamic_shapes=({0: Dim("batch", max=max_batch)},))
     return model, ep
 
 
@@ -79,7 +99,7 @@ def artifacts(tmp_path_factory):
     """Each model exported and saved, with inputs and torch's outputs at each batch size."""
     root = tmp_path_factory.mktemp("export")
     made = {}
-    for name, (_, shape) in MODELS.items():
+    for name in MODELS:
         model, ep = _export(name)
         artifact = tpu_export.to_stablehlo(ep)
         path = artifact.save(root / name)
@@ -87,7 +107,7 @@ def artifacts(tmp_path_factory):
         cases = {}
         with torch.no_grad():
             for b in BATCHES:
-                x = torch.randn(b, *shape, generator=gen)
+                x = _example(name, b, gen)
                 cases[f"x{b}"] = x.numpy()
                 cases[f"y{b}"] = model(x).numpy()
         np.savez(root / f"{name}_cases.npz", **cases)
@@ -110,7 +130,9 @@ _NO_TORCH = textwrap.dedent("""
         program = load.load(path)
         # and by hand, as docs/export.md shows: jax.export and NumPy only
         exported = jax.export.deserialize(bytearray(open(f"{path}/model.jaxexport", "rb").read()))
-        weights = dict(np.load(f"{path}/weights.npz"))
+        manifest = json.load(open(f"{path}/manifest.json"))
+        weights = {k: v.view(jax.numpy.dtype(manifest["weights"][k]["dtype"]))
+                   for k, v in np.load(f"{path}/weights.npz").items()}
         cases = np.load(f"{root}/{name}_cases.npz")
         worst[name] = 0.0
         for b in batches:
@@ -120,7 +142,7 @@ _NO_TORCH = textwrap.dedent("""
                 assert got.shape == want.shape, (name, b, got.shape, want.shape)
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"{name} at batch {b}")
                 worst[name] = max(worst[name], float(np.abs(got - want).max()))
-    print(json.dumps({"worst": worst, "torch": "torch" in sys.modules,
+    print(json.dumps({"worst": worst, "x64": jax.config.jax_enable_x64, "torch": "torch" in sys.modules,
                       "torch_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchtpu"))}))
 """)
 
@@ -142,7 +164,8 @@ def test_models_run_in_jax_without_torch_at_several_batch_sizes(artifacts, tmp_p
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["torch"] is False and result["torch_modules"] == []
-    assert set(result["worst"]) == {"cnn", "mlp", "transformer"}
+    assert set(result["worst"]) == set(MODELS)
+    assert result["x64"] is True  # load.load turned it on for the embedding's int64 ids
 
 
 def test_artifact_files_mlir_and_symbolic_batch(artifacts):
@@ -161,10 +184,17 @@ def test_artifact_files_mlir_and_symbolic_batch(artifacts):
         assert artifact.exported.out_avals[0].shape[0] == batch
         manifest = json.loads((path / export_runtime.MANIFEST_FILE).read_text())
         entry, = manifest["inputs"]
-        assert entry["shape"][0] == str(batch) and entry["dtype"] == "float32"
+        assert entry["shape"][0] == str(batch)
+        assert entry["dtype"] == ("int64" if name == "embedding" else "float32")
         assert manifest["dimensions"] == {str(batch): [f"{batch} <= 1024"]}
-        # weights are arguments, not constants: they match the module's state
-        assert artifact.weights and all(w.dtype == np.float32 for w in artifact.weights.values())
+        # weights are arguments, not constants: they are the module's state
+        assert artifact.weights and all(w.dtype == np.float32 for k, w in artifact.weights.items()
+                                        if k != "embed.weight")
+    embed = made["embedding"][1].weights["embed.weight"]
+    assert embed.dtype == jnp.bfloat16
+    stored = np.load(made["embedding"][0] / export_runtime.WEIGHTS_FILE)["embed.weight"]
+    assert stored.dtype == np.uint16  # NumPy's format has no bfloat16; the manifest names it
+    assert export_runtime.load_weights(str(made["embedding"][0]))["embed.weight"].tobytes() == embed.tobytes()
     cnn = made["cnn"][1]
     assert "bn.num_batches_tracked" not in cnn.weights  # unread in eval(): no int64 argument
     assert {"bn.running_mean", "bn.running_var", "conv1.weight"} <= set(cnn.weights)

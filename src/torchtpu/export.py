@@ -101,8 +101,8 @@ def _prepare(gm: torch.fx.GraphModule) -> None:
                 missing[str(target)] = "torchtpu has no lowering and no decomposition for it"
             elif low.random:
                 missing[str(target)] = "a random op (export the module in eval() mode)"
-            elif low.graph_problem() is not None:
-                missing[str(target)] = low.graph_problem().removeprefix("tpu: ")
+            elif not low.jit:
+                missing[str(target)] = "its output shape depends on its inputs' values"
         elif isinstance(target, HigherOrderOperator) and flex_attention.lowering_for(target) is None:
             missing[str(target.name())] = "a higher-order operator torchtpu does not lower"
     if missing:
@@ -139,9 +139,9 @@ def _constraints(ep: ExportedProgram, names: dict[sympy.Symbol, str]) -> list[st
         vr = ep.range_constraints.get(symbol)
         if vr is None:
             continue
-        if vr.lower not in (-int_oo,) and int(vr.lower) > 1:  # jax.export assumes >= 1
+        if vr.lower != -int_oo and int(vr.lower) > 1:  # jax.export assumes >= 1
             found.append(f"{name} >= {int(vr.lower)}")
-        if vr.upper is not int_oo and vr.upper != int_oo:
+        if vr.upper != int_oo:
             found.append(f"{name} <= {int(vr.upper)}")
     return found
 
@@ -186,7 +186,8 @@ def _dtype_name(dtype) -> str:
 
 
 def _jsonable_structure(tree):
-    """The outputs' structure as JAX knows it: tuples, lists and string-keyed dicts; else None."""
+    """Whether the outputs' structure is one JAX knows: tuples, lists and string-keyed dicts (else
+    the outputs are returned as a flat tuple)."""
     if isinstance(tree, int):
         return True
     if type(tree) in (tuple, list):

@@ -22,9 +22,10 @@ An artifact is a directory:
 The program is called as ``exported.call(weights, *inputs)``; without this module::
 
     import json, numpy as np, jax
-    exported = jax.export.deserialize(open("mlp.stablehlo/model.jaxexport", "rb").read())
-    weights = dict(np.load("mlp.stablehlo/weights.npz"))   # float32 weights: no views to undo
-    y = exported.call(weights, x)
+    exported = jax.export.deserialize(bytearray(open("mlp.stablehlo/model.jaxexport", "rb").read()))
+    dtypes = {k: w["dtype"] for k, w in json.load(open("mlp.stablehlo/manifest.json"))["weights"].items()}
+    weights = {k: v.view(jax.numpy.dtype(dtypes[k])) for k, v in np.load("mlp.stablehlo/weights.npz").items()}
+    y = exported.call(weights, x)   # (and jax_enable_x64 for a program with 64-bit types)
 """
 
 from __future__ import annotations
