@@ -138,4 +138,4 @@ def load(path: str, *, device_put: bool = True) -> Program:
     return Program(exported, weights, manifest)
 
 
-__all__ = ["Program", "load", "load_weights", "read_manifest", "needs_x64", "stored_dtype"]
+__all__ = ["Program", "load", "load_weights", "needs_x64", "read_manifest", "stored_dtype"]
