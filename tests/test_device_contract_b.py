@@ -43,3 +43,86 @@ def test_float_linspace_step_is_a_true_division():
     for dtype in (torch.float32, torch.float64):
         same(torch.linspace(1, 127, 50, dtype=dtype, device="tpu"), torch.linspace(1, 127, 50, dtype=dtype),
              atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------ argument checks PyTorch makes
+
+def raises_as_cpu(fn):
+    """``fn(device)`` raises on tpu what it raises on the CPU (type and message)."""
+    with pytest.raises(Exception) as cpu:
+        fn("cpu")
+    with pytest.raises(type(cpu.value)) as tpu:
+        fn("tpu")
+    assert str(tpu.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("op", ["linspace", "logspace", "arange", "range"])
+def test_factory_out_that_overlaps_itself_raises(op):
+    """test_linlogspace_mem_overlap: an expanded out= is refused, as TensorIterator refuses it."""
+    calls = {"linspace": lambda out: torch.linspace(1, 10, 10, out=out),
+             "logspace": lambda out: torch.logspace(1, 10, 10, out=out),
+             "arange": lambda out: torch.arange(10.0, out=out),
+             "range": lambda out: torch.range(0, 9, out=out)}
+    with pytest.warns(UserWarning) if op == "range" else _nothing():
+        raises_as_cpu(lambda d: calls[op](torch.rand(1, device=d).expand(10)))
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("mean", ["scalar", "tensor", "out"])
+@pytest.mark.parametrize("std", [-1.0, float("nan")])
+def test_normal_with_a_negative_std_tensor_raises(mean, std):
+    """test_normal_std_error: the std tensor's values are checked, as PyTorch checks them (a read)."""
+    def call(d):
+        s = torch.tensor([0.5, std], device=d)
+        if mean == "scalar":
+            return torch.normal(0.0, s)
+        if mean == "out":
+            return torch.normal(torch.zeros(2, device=d), s, out=torch.empty(2, device=d))
+        return torch.normal(torch.zeros(2, device=d), s)
+
+    raises_as_cpu(call)
+    assert torch.normal(torch.zeros(2, device="tpu"), torch.ones(2, device="tpu")).shape == (2,)
+    assert torch.normal(torch.zeros(0, device="tpu"), -torch.ones(0, device="tpu")).shape == (0,)
+    raises_as_cpu(lambda d: torch.normal(torch.zeros(2, device=d), torch.ones(2, dtype=torch.complex64, device=d)))
+
+
+_FMAX, _DMAX = torch.finfo(torch.float32).max, torch.finfo(torch.float64).max
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize("bounds", [(-_DMAX, 0), (0, _DMAX), (-_FMAX, _FMAX), (-70000, 0), (float("nan"), 0),
+                                    (0, float("inf")), (2, 1.5)], ids=str)
+def test_uniform_bounds_checked_as_on_cpu(dtype, bounds):
+    """test_uniform_from_to: bounds outside the dtype, reversed, or a span past its maximum."""
+    def call(d):
+        return torch.empty(4, dtype=dtype, device=d).uniform_(*bounds)
+
+    try:
+        call("cpu")
+    except RuntimeError:
+        raises_as_cpu(call)
+    else:
+        assert call("tpu").shape == (4,)
+
+
+@pytest.mark.parametrize("call", [lambda d: torch.randint(6, (3,), dtype=torch.complex64, device=d),
+                                  lambda d: torch.randint(1, 6, (0,), dtype=torch.complex128, device=d),
+                                  lambda d: torch.randint_like(torch.zeros(3, dtype=torch.complex64, device=d), 5),
+                                  lambda d: torch.zeros(3, dtype=torch.complex64, device=d).random_(0, 5),
+                                  lambda d: torch.zeros(3, dtype=torch.complex64, device=d).random_(5)],
+                         ids=["randint", "randint_empty", "randint_like", "random_from_to", "random_to"])
+def test_random_integers_into_complex_raise(call):
+    """test_tensor_factories_empty: randint of a complex dtype is refused."""
+    raises_as_cpu(call)
+
+
+@pytest.mark.parametrize("size,stride", [((2,), ()), ((2, 3), (1,))], ids=str)
+def test_empty_strided_sizes_and_strides_of_one_length(size, stride):
+    """test_new_empty_strided: PyTorch's message, not a failed storage resize."""
+    raises_as_cpu(lambda d: torch.empty_strided(size, stride, device=d))
+    raises_as_cpu(lambda d: torch.zeros(1, device=d).new_empty_strided(size, stride))

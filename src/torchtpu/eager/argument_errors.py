@@ -291,16 +291,62 @@ def _normal_std(bound: dict) -> None:
     std = bound.get("std")
     if isinstance(std, (int, float)) and std < 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {_number(std)}")
+    if isinstance(std, torch.Tensor):
+        if std.is_complex():
+            raise RuntimeError("normal expects standard deviation to be non-complex")
+        # PyTorch reads std's minimum to the host (CUDA too): a synchronisation, as there
+        if std.numel() and not bool(std.min().ge(0).item()):
+            raise RuntimeError("normal expects all elements of std >= 0.0")
     _floating("normal_kernel_cpu", bound)
 
 
 @check("uniform", "rand")
 def _uniform(bound: dict) -> None:
     low, high = bound.get("from", 0), bound.get("to", 1)
-    if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
+    self = bound.get("self")
+    if isinstance(self, torch.Tensor) and (self.dtype.is_floating_point or self.dtype.is_complex) \
+            and not (self.is_complex() and self.numel() == 0):
+        _uniform_bounds(self.dtype.to_real(), float(low), float(high))
+    elif isinstance(low, (int, float)) and isinstance(high, (int, float)) and low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_number(low)} "
                            f"> to={_number(high)}")
     _floating("check_uniform_bounds", bound)
+
+
+def _uniform_bounds(dtype: torch.dtype, low: float, high: float) -> None:
+    """PyTorch's uniform_ checks, in its order: both bounds within the dtype's range (NaN is not),
+    ``from <= to``, and ``to - from`` (in double) within the dtype's maximum."""
+    info = torch.finfo(dtype)
+    for name, value in (("from", low), ("to", high)):
+        if not info.min <= value <= info.max:
+            raise RuntimeError(f"{name} is out of bounds for {_CPP_NAMES[dtype]}")
+    if low > high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_number(low)} "
+                           f"> to={_number(high)}")
+    if high - low > info.max:
+        raise RuntimeError(f"uniform_ expects to-from <= std::numeric_limits<{_TYPE_NAMES[dtype]}>::max(), but "
+                           f"found to={_number(high)} and from={_number(low)} which result in to-from to exceed "
+                           f"the limit")
+
+
+@check("randint", "randint_like", "random")
+def _random_complex(bound: dict) -> None:
+    """Integers drawn into a complex dtype: PyTorch's bounds check has no case for it."""
+    dtype = bound.get("dtype")
+    if dtype is None and isinstance(bound.get("self"), torch.Tensor):
+        dtype = bound["self"].dtype
+    given = any(k in bound for k in ("to", "high", "from", "low"))
+    # (a schema's default dtype is a ScalarType number: randint's long)
+    if isinstance(dtype, torch.dtype) and dtype.is_complex and given:
+        raise RuntimeError("check_random_bounds handles only integral, floating-point and boolean types")
+
+
+@check("empty_strided")
+def _empty_strided(bound: dict) -> None:
+    size, stride = bound["size"], bound["stride"]
+    if len(size) != len(stride):
+        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality of strides "
+                           f"({len(stride)})")
 
 
 @check("randn")
