@@ -288,6 +288,42 @@ def triu_indices(row, col, offset=0, *, dtype=None, layout=None, device=None, pi
 
 
 
+def _window_checks(name: str, window_length: int, dtype, layout) -> None:
+    """PyTorch's ``window_function_checks``, with its wording."""
+    import torch
+
+    if layout is not None and layout != torch.strided:
+        raise RuntimeError(f"{name} is not implemented for sparse types, got: layout={layout}")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError(f"{name} expects floating point dtypes, got: dtype={dtype}")
+    if window_length < 0:
+        raise RuntimeError(f"{name} requires non-negative window_length, got window_length={window_length}")
+
+
+@lowering(aten.kaiser_window.default, aten.kaiser_window.periodic, aten.kaiser_window.beta, dynamic=("beta",))
+def kaiser_window(window_length, periodic=True, beta=12.0, *, dtype=None, layout=None, device=None,
+                  pin_memory=None):
+    """PyTorch's kernel: over ``arange`` in the window's dtype, in opmath,
+    ``i0(beta * sqrt(|1 - ((k - alpha) / alpha)^2|)) / i0(beta)`` with ``alpha = (n - 1) / 2``."""
+    import jax.scipy.special as jss
+    import torch
+
+    from torchtpu.ops.dtypes import opmath
+
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    _window_checks("kaiser_window", window_length, dtype, layout)
+    jdt = to_jax_dtype(dtype)
+    if window_length <= 1:
+        return jnp.ones((window_length,), jdt)
+    n = window_length + 1 if periodic else window_length
+    op = opmath(jdt)
+    k = jnp.arange(n, dtype=jnp.int64).astype(jdt).astype(op)  # PyTorch's arange holds window's dtype
+    alpha = jnp.asarray((n - 1) / 2.0, op)
+    b = jnp.asarray(beta).astype(op)
+    window = jss.i0(b * jnp.sqrt(jnp.abs(1 - ((k - alpha) / alpha) ** 2))) / jss.i0(b)
+    return window[:window_length].astype(jdt)
+
+
 def _like_dtype(x, dtype):
     return x.dtype if dtype is None else to_jax_dtype(dtype)
 
