@@ -43,3 +43,6 @@ def test_compatibility_names_the_tested_jax_releases(page):
     named = {Version(v) for v in __import__("re").findall(r"jax (\d+\.\d+\.\d+)", section)}
     assert named and all(req.specifier.contains(v) for v in named), (page, named, str(req))
     assert Version(md.version("jax")) in named, f"the jax CI runs is not named in {page}"
+    if page == "docs/compatibility.md":  # the table's page also names the lower bound it was run on
+        lowest = [Version(s.version) for s in req.specifier if s.operator == ">="]
+        assert lowest and lowest[0] in named, f"{page} does not name jax {lowest}, the lower bound, as run"

@@ -5,7 +5,7 @@
 #
 # VERSION is a release or a series (2.11 means torch==2.11.*). The venv (default
 # /tmp/torchtpu-compat/torch-VERSION, reused when it already holds that torch) gets torch,
-# JAX (JAX, default: the newest that pyproject.toml allows; e.g. JAX=0.10.0 checks the lower
+# JAX (JAX, default: the newest that pyproject.toml allows; e.g. JAX=0.10.1 checks the lower
 # bound) and torchtpu installed editable from this checkout with its dev extra; the
 # interpreter that runs this script (and its own editable torchtpu) is never modified: the
 # script checks that `import torchtpu` there still resolves to the same place afterwards.
