@@ -85,6 +85,19 @@ def info_lines() -> list[str]:
         f"cache directory: {_cache_line(config.cache_dir)}",
         f"persistent XLA cache: {persistent_cache_line()}",
     ]
+    return lines + patch_lines()
+
+
+def patch_lines() -> list[str]:
+    """The changes torchtpu made to PyTorch and other libraries in this process (``torchtpu.patches``)."""
+    from torchtpu import patches
+
+    names = patches.applied()
+    lines = [f"patches applied in this process: {len(names)} of {len(patches.TABLE)} (torchtpu.patches.TABLE)"]
+    for name in names:
+        patch = patches.get(name)
+        more = f" (+{len(patch.targets) - 1} more)" if len(patch.targets) > 1 else ""
+        lines.append(f"  {name:<32} {patch.targets[0]}{more}  [{patch.when}]")
     return lines
 
 

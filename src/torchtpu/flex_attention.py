@@ -5,7 +5,8 @@ before any dispatch, and offers no plugin point. ``install`` replaces that modul
 one that lets ``tpu`` tensors through and calls the original for every other device, so CPU and
 CUDA behave exactly as before (CPU still refuses a backward). The eager kernels of the two
 higher-order ops are registered for PrivateUse1 (``tpu``); compiled graphs lower them in
-``compile/flex_attention.py``.
+``compile/flex_attention.py``. Both are made when the runtime starts (the first tpu use), through
+``torchtpu.patches``: a program that never uses tpu keeps PyTorch's own.
 
 This module is outside the packages dynamo skips (``compile/__init__.py``): dynamo traces
 ``flex_attention()`` with its device check, so the replacement must be traceable. It imports no
@@ -14,7 +15,10 @@ JAX; the kernels import their implementation when first called.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
+
+from torchtpu import patches
 
 _installed = False
 
@@ -29,11 +33,31 @@ def _allow_tpu(check: Callable) -> Callable:
     return _validate_device
 
 
-def _patch_frontend() -> None:
-    import torch.nn.attention.flex_attention as frontend
+_FRONTEND = "torch.nn.attention.flex_attention"
 
+
+def _patch_frontend() -> None:
+    frontend = sys.modules[_FRONTEND]
     if not hasattr(frontend._validate_device, "__wrapped__"):
         frontend._validate_device = _allow_tpu(frontend._validate_device)
+
+
+def allow_tpu() -> bool:
+    """Patch ``flex_attention.validate_device`` (``torchtpu.patches``): now, or when the frontend
+    is imported."""
+    from torchtpu.compile.routing import after_import
+
+    after_import(_FRONTEND, _patch_frontend)
+    return True
+
+
+def disallow_tpu() -> None:
+    from torchtpu.compile.routing import cancel_after_import
+
+    cancel_after_import(_FRONTEND)
+    frontend = sys.modules.get(_FRONTEND)
+    if frontend is not None and hasattr(frontend._validate_device, "__wrapped__"):
+        frontend._validate_device = frontend._validate_device.__wrapped__
 
 
 def _forward(*args, **kwargs):
@@ -48,17 +72,42 @@ def _backward(*args, **kwargs):
     return flex_attention.eager_backward(*args, **kwargs)
 
 
+def _ops():
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+
+    return ((flex_attention, _forward), (flex_attention_backward, _backward))
+
+
+def register_kernels() -> bool:
+    """Patch ``flex_attention.kernels``: the tpu (PrivateUse1) kernels of the two HOPs."""
+    from torch._C import DispatchKey
+
+    for op, kernel in _ops():
+        if op.py_kernels.get(DispatchKey.PrivateUse1) is not kernel:
+            op.py_impl(DispatchKey.PrivateUse1)(kernel)
+    return True
+
+
+def unregister_kernels() -> None:
+    from torch._C import DispatchKey
+
+    for op, kernel in _ops():
+        if op.py_kernels.get(DispatchKey.PrivateUse1) is kernel:
+            del op.py_kernels[DispatchKey.PrivateUse1]
+            op._dispatch_cache.clear()
+
+
+def _on_first_use() -> None:
+    patches.apply("flex_attention.kernels")
+    patches.apply("flex_attention.validate_device")
+
+
 def install() -> None:
-    """Register the tpu kernels of the flex_attention HOPs and patch the device check (idempotent)."""
+    """At ``import torch``: arrange for the kernels and the device check at the first tpu use (idempotent)."""
     global _installed
     if _installed:
         return
-    from torch._C import DispatchKey
-    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+    from torchtpu.runtime import state
 
-    from torchtpu.compile.routing import after_import
-
-    flex_attention.py_impl(DispatchKey.PrivateUse1)(_forward)
-    flex_attention_backward.py_impl(DispatchKey.PrivateUse1)(_backward)
-    after_import("torch.nn.attention.flex_attention", _patch_frontend)
+    state.on_start(_on_first_use)
     _installed = True

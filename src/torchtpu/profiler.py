@@ -26,6 +26,7 @@ import jax
 import torch
 from jax.profiler import TraceAnnotation
 
+from torchtpu import patches
 from torchtpu.eager import modes
 
 annotate = TraceAnnotation
@@ -37,10 +38,15 @@ active = False
 _lock = threading.Lock()
 
 
-def _record_function_patches():
-    """``record_function.__enter__/__exit__`` that also open and close a JAX span of the same name."""
+_saved_record_function: dict[str, Any] = {}
+
+
+def patch_record_function() -> bool:
+    """Patch ``profiler.record_function`` (``torchtpu.patches``, for a trace's duration):
+    ``record_function.__enter__/__exit__`` also open and close a JAX span of the same name."""
     cls = torch.autograd.profiler.record_function
-    enter, exit_ = cls.__enter__, cls.__exit__
+    enter, exit_ = cls.__dict__["__enter__"], cls.__dict__["__exit__"]
+    _saved_record_function.update(__enter__=enter, __exit__=exit_)
 
     def __enter__(self):
         result = enter(self)
@@ -54,19 +60,15 @@ def _record_function_patches():
             span.__exit__(exc_type, exc_value, tb)
         return exit_(self, exc_type, exc_value, tb)
 
-    return cls, {"__enter__": __enter__, "__exit__": __exit__}
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
+    return True
 
 
-@contextlib.contextmanager
-def _patched(target, replacements: dict[str, Any]) -> Iterator[None]:
-    saved = {name: target.__dict__[name] for name in replacements}
-    for name, value in replacements.items():
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(target, name, value)
+def unpatch_record_function() -> None:
+    cls = torch.autograd.profiler.record_function
+    for name, value in _saved_record_function.items():
+        setattr(cls, name, value)
+    _saved_record_function.clear()
 
 
 @contextlib.contextmanager
@@ -89,13 +91,13 @@ def trace(logdir: str | os.PathLike, *, perfetto: bool = False, python_tracer: b
     try:
         jax.profiler.start_trace(str(logdir), create_perfetto_trace=perfetto, profiler_options=options)
         try:
-            record_cls, record_patches = _record_function_patches()
             modes.tracing = True  # eager ops and CPU fallbacks open their spans
+            patches.apply("profiler.record_function")
             try:
-                with _patched(record_cls, record_patches):
-                    yield str(logdir)
-                    _synchronize()
+                yield str(logdir)
+                _synchronize()
             finally:
+                patches.undo("profiler.record_function")
                 modes.tracing = False
         finally:
             jax.profiler.stop_trace()

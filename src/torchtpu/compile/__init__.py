@@ -9,8 +9,10 @@ runs ``install()``.
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
+from torchtpu import patches
 from torchtpu.compile import routing
 
 _installed = False
@@ -50,39 +52,98 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'torchtpu.compile' has no attribute {name!r}")
 
 
-def _register_with_dynamo() -> None:
+_EAGER_LAYERS = ("torchtpu.runtime", "torchtpu.device", "torchtpu.ops", "torchtpu.eager", "torchtpu.compile",
+                 "jax", "jaxlib", "ml_dtypes")
+_skipped: list[str] = []
+
+
+def skip_eager_layers() -> bool:
+    """Patch ``dynamo.skip_files`` (see ``torchtpu.patches``): dynamo runs our eager kernels.
+
+    They are Python (and JAX) called by the dispatcher: dynamo must run them, not trace them (as it
+    does for torch's own Python), or eager ops after a graph break are traced. Only the internal
+    layers: user-facing code in torchtpu (the demo's model) stays traceable. (ml_dtypes: jax calls
+    into it while compiling an eager kernel after a graph break.)
+    """
     from torch._dynamo import trace_rules
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    # Our eager kernels are Python (and JAX) called by the dispatcher: dynamo must run them, not
-    # trace them (as it does for torch's own Python), or eager ops after a graph break are traced.
-    # Only the internal layers: user-facing code in torchtpu (the demo's model) stays traceable.
-    # (ml_dtypes: jax calls into it while compiling an eager kernel after a graph break.)
-    for package in ("torchtpu.runtime", "torchtpu.device", "torchtpu.ops", "torchtpu.eager",
-                    "torchtpu.compile", "jax", "jaxlib", "ml_dtypes"):
+    before = len(trace_rules.SKIP_DIRS)
+    for package in _EAGER_LAYERS:
         trace_rules.add(package)
-    if "tpu" not in _COMPILER_FNS:
-        register_backend(backend, name="tpu")
-    routing.set_default()
-    from torchtpu.config import config
+    _skipped[:] = trace_rules.SKIP_DIRS[before:]
+    return True
 
-    if config.warm_start == "dynamo":  # before any torch.compile: it decides whether to use the Dynamo cache
-        from torchtpu.compile import warm
 
-        warm.install()
+def trace_eager_layers() -> None:
+    """Undo ``skip_eager_layers``."""
+    from torch._dynamo import trace_rules
+
+    for directory in _skipped:
+        if directory in trace_rules.SKIP_DIRS:
+            trace_rules.SKIP_DIRS.remove(directory)
+    _skipped.clear()
+    trace_rules._recompile_re()
+
+
+def register_backend() -> bool:
+    """Patch ``dynamo.tpu_backend``: ``torch.compile(fn, backend="tpu")``."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend as register
+
+    if "tpu" in _COMPILER_FNS:
+        return _COMPILER_FNS["tpu"] is backend
+    register(backend, name="tpu")
+    return True
+
+
+def unregister_backend() -> None:
+    from torch._dynamo.backends import registry
+
+    if registry._COMPILER_FNS.get("tpu") is backend:
+        del registry._COMPILER_FNS["tpu"]
+        registry._BACKENDS.pop("tpu", None)
+
+
+def _on_dynamo_import() -> None:
+    """What ``torch._dynamo``'s import brings (``torchtpu.patches``, when "dynamo import")."""
+    from torchtpu.runtime import state
+
+    patches.forget("dynamo.import_hook")  # the finder left sys.meta_path
+    for name in ("dynamo.tpu_backend", "dynamo.default_backend", "dynamo.warm_start"):
+        patches.apply(name)  # warm start: before any torch.compile decides whether to use the Dynamo cache
+    if state.started():
+        patches.apply("dynamo.skip_files")
+
+
+def _on_first_use() -> None:
+    """What the runtime's start brings to compile: the Inductor guard; the skip list once dynamo is there."""
+    patches.apply("inductor.tpu_guard")
+    if "torch._dynamo" in sys.modules:
+        patches.apply("dynamo.skip_files")
+
+
+def install_import_hook() -> bool:
+    """Patch ``dynamo.import_hook``: the "dynamo import" patches when dynamo is imported (now if it is)."""
+    return routing.after_import("torch._dynamo", _on_dynamo_import)
+
+
+def remove_import_hook() -> None:
+    routing.cancel_after_import("torch._dynamo")
 
 
 def install() -> None:
-    """Register the backend and the default routing (idempotent).
+    """Register the backend and the default routing (idempotent; run at ``import torch``).
 
     Importing dynamo takes seconds, so ``import torch`` does not pay for it: the backend is
-    registered when dynamo is first imported (by ``torch.compile``), or now if it already is.
+    registered when dynamo is first imported (by ``torch.compile``), or now if it already is;
+    the rest waits for the first tpu use (``torchtpu.patches`` has the table).
     """
     global _installed
     if _installed:
         return
-    routing.guard_inductor()
-    routing.after_import("torch._dynamo", _register_with_dynamo)
+    from torchtpu.runtime import state
+
+    patches.apply("dynamo.import_hook")
+    state.on_start(_on_first_use)
     _installed = True
 
 

@@ -17,9 +17,6 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
-_installed = False
-
-
 def on_tpu(gm: GraphModule, example_inputs) -> bool:
     """Whether the graph computes on ``tpu`` (an input, or a value it makes, is a tpu tensor)."""
     if any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs):
@@ -84,22 +81,40 @@ def _guarded_inductor_call(original: Callable) -> Callable:
     return __call__
 
 
-def set_default() -> None:
-    """Make torch.compile's default backend the router (a default the user chose is kept)."""
+def set_default() -> bool:
+    """Patch ``dynamo.default_backend`` (``torchtpu.patches``): torch.compile's default backend
+    becomes the router (a default the user chose is kept; torch 2.11/2.12 cannot set it, and there
+    the Inductor wrapper routes: ``_guarded_inductor_call``)."""
     from torch._dynamo.backends import registry
 
-    # torch 2.11/2.12 have no settable default: the Inductor wrapper routes (_guarded_inductor_call)
-    if _default_settable() and registry.get_default_backend() == "inductor":
+    if not _default_settable():
+        return False
+    if registry.get_default_backend() == "inductor":
         registry.set_default_backend(default_backend)
+    return registry.get_default_backend() is default_backend
 
 
-def guard_inductor() -> None:
-    """Make Inductor given tpu tensors raise an error that names the tpu backend (idempotent)."""
-    global _installed
-    if not _installed:
-        wrapper = torch._TorchCompileInductorWrapper
+def reset_default() -> None:
+    from torch._dynamo.backends import registry
+
+    if registry.get_default_backend() is default_backend:
+        registry.set_default_backend(None)
+
+
+def guard_inductor() -> bool:
+    """Patch ``inductor.tpu_guard``: Inductor given tpu tensors raises an error that names the tpu
+    backend (on torch 2.11/2.12: hands the graph to it)."""
+    wrapper = torch._TorchCompileInductorWrapper
+    if not hasattr(wrapper.__call__, "__wrapped__"):
         wrapper.__call__ = _guarded_inductor_call(wrapper.__call__)
-        _installed = True
+    return True
+
+
+def unguard_inductor() -> None:
+    wrapper = torch._TorchCompileInductorWrapper
+    original = getattr(wrapper.__call__, "__wrapped__", None)
+    if original is not None:
+        wrapper.__call__ = original
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -123,9 +138,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def after_import(name: str, callback: Callable[[], None]) -> None:
-    """Run ``callback`` once ``name`` is imported: now if it already is."""
+def after_import(name: str, callback: Callable[[], None]) -> bool:
+    """Run ``callback`` once ``name`` is imported: now if it already is (then False: no hook is left
+    in ``sys.meta_path``), else through a finder that leaves ``sys.meta_path`` when it fires (True)."""
     if name in sys.modules:
         callback()
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, callback))
+        return False
+    sys.meta_path.insert(0, _AfterImport(name, callback))
+    return True
+
+
+def cancel_after_import(name: str) -> None:
+    """Remove the finders still waiting for ``name``."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _AfterImport) and f.name == name)]

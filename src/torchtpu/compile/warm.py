@@ -58,7 +58,7 @@ def enabled() -> bool:
     return config.warm_start != "off" and bool(config.cache_dir) and not torch.compiler.config.force_disable_caches
 
 
-def install() -> None:
+def install() -> bool:
     """``TORCHTPU_WARM_START=dynamo``: turn on PyTorch's Dynamo cache, saved when the process exits.
 
     Called when dynamo is imported, before any ``torch.compile``. PyTorch's own switch
@@ -66,11 +66,18 @@ def install() -> None:
     from ``torch.compiler.save_cache_artifacts()``: we call it at exit.
     """
     if config.warm_start != "dynamo" or not enabled():
-        return
+        return False
     if os.environ.get("TORCH_CACHING_PRECOMPILE", "1") != "1":
-        return
+        return False
     torch._dynamo.config.caching_precompile = True
     atexit.register(_save_dynamo_cache)
+    return True
+
+
+def uninstall() -> None:
+    """Undo ``install`` (patch ``dynamo.warm_start`` in ``torchtpu.patches``)."""
+    torch._dynamo.config.caching_precompile = False
+    atexit.unregister(_save_dynamo_cache)
 
 
 def _save_dynamo_cache() -> None:

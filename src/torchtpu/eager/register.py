@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch._ops import OpOverload
 
-from torchtpu import metrics
+from torchtpu import metrics, patches
 from torchtpu.device import registration
-from torchtpu.eager import argument_errors, attention, dispatch, dlpack, fallback, fused, modes, transfer, views
+from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, transfer, views
 from torchtpu.ops import checks, foreach, registry
 from torchtpu.runtime import state, streams
 
@@ -139,7 +139,7 @@ def install() -> None:
     _libs.extend(libs.values())
     _libs.append(attention.install_autograd())  # SDPA chooses its backend above autograd
     registration.set_fallback(fallback.fallback)
-    dlpack.install()  # tpu tensors export a host copy (their data_ptr() addresses nothing)
+    patches.apply("dlpack.exports")  # tpu tensors' data_ptr() addresses nothing (torchtpu.patches)
     global _hooked
     if _hooked:  # a reinstall (after _uninstall): the hooks below are in place already
         return

@@ -22,7 +22,7 @@ A rank that fails exits at once. At exit JAX waits, up to five minutes, until ev
 reaches its shutdown barrier; a rank killed by an uncaught exception would wait there for ranks
 that are blocked in a collective with it, and the launcher, which ends the job when one rank
 exits, would wait too. So after an uncaught exception this process skips that barrier
-(``_exit_without_waiting``); the other ranks then see the failure and the launcher stops them.
+(``install_excepthook``); the other ranks then see the failure and the launcher stops them.
 
 This module imports no JAX at import time.
 """
@@ -34,8 +34,21 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
+from torchtpu import patches
 from torchtpu.config import config
+
+# What runtime/state.py (above this module: it starts the runtime, calling ``initialize`` here)
+# tells this module, bound when state is imported: whether the runtime has started, and the
+# device guard's update after a launch is declared.
+_runtime_started: Callable[[], bool] = lambda: False
+_layout_changed: Callable[[], None] = lambda: None
+
+
+def bind_state(started: Callable[[], bool], layout_changed: Callable[[], None]) -> None:
+    global _runtime_started, _layout_changed
+    _runtime_started, _layout_changed = started, layout_changed
 
 _initialized = False
 _joined: Launch | None = None
@@ -159,9 +172,7 @@ def declare(rank: int, world_size: int, local_rank: int, local_world_size: int, 
         raise ValueError("tpu: a multi-process launch needs the jax.distributed coordinator's host:port")
     info = Launch(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
                   coordinator=coordinator)
-    from torchtpu.runtime import state
-
-    if state.started():
+    if _runtime_started():
         current = dataclasses.replace(_joined, coordinator=coordinator) if _joined else None
         if current == info:
             return
@@ -170,7 +181,7 @@ def declare(rank: int, world_size: int, local_rank: int, local_world_size: int, 
             f"started ({'as rank %d of %d' % (_joined.rank, _joined.world_size) if _joined else 'alone'}). "
             f"The launch must be declared before the first tpu op.")
     _declared = info
-    state.sync_guard()  # the device guard learns the host's device count (one per local process)
+    _layout_changed()  # the device guard learns the host's device count (one per local process)
 
 
 def joined() -> Launch | None:
@@ -267,20 +278,25 @@ def initialize() -> Launch | None:
             f"coordinator {info.coordinator} ({exc}). Check that every rank was launched and that the "
             f"port is free (TORCHTPU_COORDINATOR=host:port chooses another)") from exc
     _joined, _initialized = info, True
-    _exit_without_waiting()
+    patches.apply("multiprocess.excepthook")
     return info
 
 
-def _exit_without_waiting() -> None:
-    """After an uncaught exception, leave without JAX's exit-time shutdown barrier (see above)."""
+_previous_excepthook = None
+
+
+def install_excepthook() -> bool:
+    """Patch ``multiprocess.excepthook`` (``torchtpu.patches``): after an uncaught exception, leave
+    without JAX's exit-time shutdown barrier (see above)."""
+    global _previous_excepthook
     try:
         from jax._src import api
     except ImportError:  # a JAX without it: keep its exit as it is
-        return
+        return False
     clean_up = getattr(api, "clean_up", None)  # JAX's atexit handler: the barrier, then teardown
     if clean_up is None:
-        return
-    previous = sys.excepthook
+        return False
+    previous = _previous_excepthook = sys.excepthook
 
     def excepthook(kind, value, tb):
         previous(kind, value, tb)  # the traceback, as without us
@@ -289,3 +305,10 @@ def _exit_without_waiting() -> None:
               file=sys.stderr, flush=True)
 
     sys.excepthook = excepthook
+    return True
+
+
+def uninstall_excepthook() -> None:
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        sys.excepthook, _previous_excepthook = _previous_excepthook, None
