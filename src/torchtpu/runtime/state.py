@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Callable
 
 from torchtpu.config import config
-from torchtpu.runtime import native
+from torchtpu.runtime import multiprocess, native
 
 _local = threading.local()
 _lock = threading.RLock()
@@ -82,10 +82,10 @@ def start() -> None:
             # that touches tpu gets our error instead (see the module docstring), and DataLoader
             # workers that never touch it are safe, as they are under CUDA.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-            from torchtpu.runtime import multiprocess, platform
+            from torchtpu.runtime import pjrt
 
             multiprocess.initialize()  # before any other JAX call (a no-op for a lone process)
-            platform.devices()
+            pjrt.devices()
             for callback in list(_on_start):
                 callback()
             _started = True
@@ -158,8 +158,6 @@ def device_count() -> int:
     Under a multi-process launch this counts the host's devices, one per local process, as
     ``torch.cuda.device_count()`` does under torchrun; this process owns ``tpu:LOCAL_RANK``.
     """
-    from torchtpu.runtime import multiprocess
-
     if multiprocess.active():
         return multiprocess.local_world_size()
     if not _started:
@@ -167,9 +165,9 @@ def device_count() -> int:
         if count is not None:
             return count
         start()
-    from torchtpu.runtime import platform
+    from torchtpu.runtime import pjrt
 
-    return platform.device_count()
+    return len(pjrt.devices())
 
 
 # ---------------------------------------------------------------- the current device
@@ -183,8 +181,6 @@ def current_device() -> int:
         return module.current_device()
     index = getattr(_local, "index", None)
     if index is None:
-        from torchtpu.runtime import multiprocess
-
         index = _local.index = multiprocess.local_rank()
     return index
 
@@ -195,8 +191,6 @@ def sync_guard() -> None:
     module = native.guard()
     if module is None:
         return
-    from torchtpu.runtime import multiprocess
-
     count = _count_without_start() if not _started and not multiprocess.active() else None
     if count is None:
         count = device_count() if (_started or multiprocess.active()) else 1
@@ -232,3 +226,6 @@ def set_device(device: Any) -> None:
     module = native.guard()
     if module is not None:
         module.set_current_device(index)
+
+
+multiprocess.bind_state(started, sync_guard)  # multiprocess is below this module: it asks through these
