@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from torchtpu.compile import collectives
-from torchtpu.ops import checks, registry
+from torchtpu.ops import checks, foreach, registry  # noqa: F401  (foreach: derives _foreach_* lowerings for registry.for_graph)
 from torchtpu.runtime import platform, rng
 
 aten = torch.ops.aten

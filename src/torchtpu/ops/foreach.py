@@ -81,6 +81,7 @@ def _inexact(v) -> bool:
     return hasattr(v, "dtype") and (jnp.issubdtype(v.dtype, jnp.floating) or jnp.issubdtype(v.dtype, jnp.complexfloating))
 
 
+@registry.deriver("aten::_foreach_")
 @functools.cache
 def derived(op: OpOverload) -> registry.Lowering | None:
     """``op``'s lowering, derived from its per-tensor op (what compiled graphs inline)."""

@@ -211,11 +211,25 @@ def for_graph(op) -> Lowering | None:
     if schema is None:
         return None
     low = GRAPH_ONLY.get(op) or LOWERINGS.get(op) or GRAPH_ONLY.get(schema.name)
-    if low is None and schema.name.startswith("aten::_foreach_"):
-        from torchtpu.ops import foreach
-
-        low = foreach.derived(op)
+    if low is None:
+        for prefix, derive in _DERIVERS.items():
+            if schema.name.startswith(prefix):
+                return derive(op)
     return low
+
+
+# Lowerings derived on demand for a family of ops, by schema-name prefix, registered by the module
+# that derives them (``_foreach_*``: foreach.py, which imports this one; ``load_all`` imports it).
+_DERIVERS: dict[str, Callable[[OpOverload], Lowering | None]] = {}
+
+
+def deriver(prefix: str) -> Callable:
+    """Register the decorated ``fn(op) -> Lowering | None`` for the ops whose schema name starts with ``prefix``."""
+    def register(fn: Callable[[OpOverload], Lowering | None]) -> Callable[[OpOverload], Lowering | None]:
+        _DERIVERS[prefix] = fn
+        return fn
+
+    return register
 
 
 _loaded = False
