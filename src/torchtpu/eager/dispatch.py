@@ -32,9 +32,10 @@ from torch._ops import OpOverload
 
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, modes
+from torchtpu.eager.views import resize
 from torchtpu.ops import checks, precision
 from torchtpu.ops.registry import Lowering
-from torchtpu.runtime import native, placement, platform, rng, state
+from torchtpu.runtime import placement, platform, rng, state
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
 from torchtpu import caches, metrics
 
@@ -798,24 +799,6 @@ class FactoryOutKernel:
                                "single memory location. Please clone() the tensor before performing the operation.")
         bridge.write(out, value)
         return out
-
-
-def resize(t: torch.Tensor, shape) -> None:
-    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, a grown storage if needed
-    (the old elements kept, as PyTorch's resize_ keeps them)."""
-    shape = tuple(int(s) for s in shape)
-    nbytes = (t.storage_offset() + math.prod(shape)) * t.element_size()
-    storage = t.untyped_storage()
-    if storage.nbytes() < nbytes:
-        if native.registered():  # in place (the C++ hook), as PyTorch: every tensor on it sees it
-            storage.resize_(nbytes)
-        else:  # a new storage for t alone
-            grown = bridge.new_storage(nbytes, t.get_device())
-            array = getattr(storage, bridge.ATTR, None)
-            if array is not None:
-                grown._jax = bridge.resized(array, nbytes)
-            storage = grown
-    bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
 
 
 def _check_cast(from_dtype, to_dtype: torch.dtype, name: str) -> None:

@@ -8,12 +8,12 @@ kernels here are the storage-level ops: ``empty`` (a lazy shell), ``set_`` and `
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from torchtpu.device import bridge
-from torchtpu.eager import dispatch
-from torchtpu.runtime import state
+from torchtpu.runtime import native, state
 
 aten = torch.ops.aten
 
@@ -80,8 +80,26 @@ def set_tensor(self, source):
     return self
 
 
+def resize(t: torch.Tensor, shape) -> None:
+    """``t.resize_(shape)`` for a tpu tensor: new contiguous geometry, a grown storage if needed
+    (the old elements kept, as PyTorch's resize_ keeps them)."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = (t.storage_offset() + math.prod(shape)) * t.element_size()
+    storage = t.untyped_storage()
+    if storage.nbytes() < nbytes:
+        if native.registered():  # in place (the C++ hook), as PyTorch: every tensor on it sees it
+            storage.resize_(nbytes)
+        else:  # a new storage for t alone
+            grown = bridge.new_storage(nbytes, t.get_device())
+            array = getattr(storage, bridge.ATTR, None)
+            if array is not None:
+                grown._jax = bridge.resized(array, nbytes)
+            storage = grown
+    bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
+
+
 def resize_(self, size, memory_format=None):
-    dispatch.resize(self, size)
+    resize(self, size)
     if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
         bridge.restride(self, self.untyped_storage(), self.storage_offset(), self.shape,
                         format_strides(tuple(self.shape), memory_format))
