@@ -15,12 +15,12 @@ Nothing here imports SGLang at torchtpu's import time.
 from __future__ import annotations
 
 from torchtpu.integrations import check_version, serving_on_tpu
+from torchtpu.integrations.sglang.names import BACKEND_NAME
 
 # The SGLang releases this integration was written and tested against; its platform
 # interface changes between minor releases, so others are refused rather than half-working.
 TESTED_SGLANG = ((0, 5, 23), (0, 5, 24))  # [low, high)
 PLATFORM_CLASS = "torchtpu.integrations.sglang.platform.TpuSRTPlatform"
-BACKEND_NAME = "tpu"
 
 
 def check_sglang_version(installed: str | None = None) -> str:

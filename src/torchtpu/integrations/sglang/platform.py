@@ -17,7 +17,7 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 from torchtpu.integrations import DIST_BACKEND, choose_rank_coordinator, host_backed, memory_info
 from torchtpu.integrations.int8 import NAME as INT8_NAME
-from torchtpu.integrations.sglang import BACKEND_NAME
+from torchtpu.integrations.sglang.names import BACKEND_NAME
 
 # SGLang parses its command line before it loads plugins (where `register` adds the method
 # itself), so `--quantization tpu_int8` must be a choice as soon as the platform is resolved.
