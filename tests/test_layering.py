@@ -88,6 +88,50 @@ def test_no_import_cycle_between_packages():
     assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the torchtpu modules it imports, function-local imports included.
+
+    ``from package import name`` is an edge to ``package.name`` when that is a module, else to the
+    package's ``__init__``. (A module's import of a sibling through its package does not count as
+    an edge to the package's ``__init__``: Python runs that first either way, and what could close
+    a cycle is what the ``__init__`` itself imports, which is drawn.)"""
+    modules = {"torchtpu." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in ROOT.rglob("*.py")}
+
+    def resolve(target: str) -> str | None:
+        parts = target.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in modules:
+                return ".".join(parts[:n])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(resolve(a.name) for a in node.names if a.name.startswith("torchtpu"))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module or ""
+                if target.startswith("torchtpu"):
+                    found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in modules else resolve(target)
+                                 for a in node.names)
+        graph[module] = {t for t in found if t is not None and t != module}
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """Inside a package too, the modules import one way: function-local imports count, as above (an
+    import deferred to a function still makes the two modules one unit to read, test and change)."""
+    cycle = _cycle(_module_graph())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
+
+
 def test_runtime_imports_without_the_layers_above():
     code = ("import sys, torchtpu.runtime, torchtpu.runtime.platform, torchtpu.runtime.streams, "
             "torchtpu.runtime.memory, torchtpu.runtime.errors, torchtpu.runtime.rng, torchtpu.runtime.state; "
