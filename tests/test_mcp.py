@@ -106,7 +106,8 @@ def test_run_names_the_problems(report):
     assert any(b["where"].endswith("agent_problems.py:19") and "print" in b["explanation"]
                for b in report["graph_breaks"])
     assert report["host_transfers"]["to_host"] >= 3
-    assert report["compile"]["graph_programs_compiled"] >= 2
+    compiled = report["compile"]  # compiled now, or loaded from the persistent cache a previous run filled
+    assert compiled["graph_programs_compiled"] + compiled["loaded_from_persistent_cache"] >= 2
     assert report["peak_device_memory_bytes"] is not None
     assert any("CPU fallback" in line for line in report["summary"])
 
