@@ -126,3 +126,60 @@ def test_empty_strided_sizes_and_strides_of_one_length(size, stride):
     """test_new_empty_strided: PyTorch's message, not a failed storage resize."""
     raises_as_cpu(lambda d: torch.empty_strided(size, stride, device=d))
     raises_as_cpu(lambda d: torch.zeros(1, device=d).new_empty_strided(size, stride))
+
+
+# ------------------------------------------------------------------ warnings as on the CPU
+# test_byte_mask, test_bool_indices, test_byte_mask_accumulate, test_multiple_byte_mask,
+# test_byte_tensor_assignment: the uint8-mask deprecation warning came from the meta kernel run
+# when a program is first traced, so not on later calls.
+
+def _byte_mask_calls(d):
+    v = torch.arange(105.0, device=d).reshape(5, 7, 3)
+    mask = torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8, device=d)
+    y, m = torch.ones(10, 10, device=d), torch.zeros(10, dtype=torch.uint8, device=d)
+    return {
+        "getitem": lambda: v[mask],
+        "two_masks": lambda: v[mask, :, torch.ones(3, dtype=torch.uint8, device=d)],
+        "none_then_mask": lambda: v[None, mask],
+        "setitem": lambda: v.__setitem__(mask, torch.ones(3, 7, 3, device=d)),
+        "index_put_accumulate": lambda: y.index_put_((m,), y[m], accumulate=True),
+        "bool_mask": lambda: v[mask.bool()],
+    }
+
+
+def _warnings_of(fn, always=True):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        if always:
+            warnings.simplefilter("always")
+        fn()
+    return [(w.category, str(w.message).split(" (Triggered internally")[0], w.lineno) for w in caught]
+
+
+@pytest.mark.parametrize("case", list(_byte_mask_calls("cpu")))
+def test_byte_mask_warns_each_call_as_on_cpu(case):
+    cpu, tpu = _byte_mask_calls("cpu")[case], _byte_mask_calls("tpu")[case]
+    for _ in range(2):  # the second call runs a cached program
+        assert _warnings_of(tpu) == _warnings_of(cpu)
+
+
+def test_byte_mask_warning_is_attributed_to_the_callers_line():
+    """Under the default filter it is shown once per line of user code, as PyTorch's C++ warnings are."""
+    v, mask = torch.zeros(5, device="tpu"), torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8, device="tpu")
+
+    def calls():
+        v[mask]; v[mask]  # noqa: E702 - one line: one warning
+        for _ in range(3):
+            v[mask]
+
+    cpu_v, cpu_mask = v.cpu(), mask.cpu()
+
+    def cpu_calls():
+        cpu_v[cpu_mask]; cpu_v[cpu_mask]  # noqa: E702
+        for _ in range(3):
+            cpu_v[cpu_mask]
+
+    caught = _warnings_of(calls, always=False)
+    assert len(caught) == len(_warnings_of(cpu_calls, always=False)) == 2
+    assert all(line != 0 for _, _, line in caught)

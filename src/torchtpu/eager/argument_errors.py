@@ -86,6 +86,8 @@ def validate(op, args: tuple, kwargs: dict):
     reference = _reference_args(args, kwargs, "meta")
     if reference is None:
         return None
+    if op._schema.name in _MASK_INDEXING:  # the byte-mask warning is given per call (_byte_mask), not here
+        reference = _bool_masks(op, reference)
     try:
         return op(*reference[0], **reference[1])
     except NotImplementedError:  # no meta kernel (data-dependent ops): no verdict
@@ -400,6 +402,57 @@ def _index_put_dtypes(bound: dict) -> None:
         raise RuntimeError(f"Index put requires the source and destination dtypes match, got "
                            f"{_TYPE_NAMES.get(dtype, dtype)} for the destination and "
                            f"{_TYPE_NAMES.get(values.dtype, values.dtype)} for the source.")
+
+
+# PyTorch's deprecation warning for a uint8 mask (IndexingUtils.h), once per uint8 index per call
+_BYTE_MASK = "indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead."
+_MASK_INDEXING = ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_")
+
+
+@check("index", "index_put", "_index_put_impl")
+def _byte_mask(bound: dict) -> None:
+    for index in bound.get("indices") or ():
+        if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+            warn_at_caller(_BYTE_MASK, UserWarning)
+
+
+def _bool_masks(op, reference: tuple) -> tuple:
+    """An indexing op's reference arguments with its uint8 masks made bool (the same check,
+    without the meta kernel's warning, which would come on a program's first call only)."""
+    args, kwargs = reference
+
+    def convert(indices):
+        return [i.bool() if isinstance(i, torch.Tensor) and i.dtype == torch.uint8 else i for i in indices]
+
+    if "indices" in kwargs:
+        return args, {**kwargs, "indices": convert(kwargs["indices"])}
+    if len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return (args[0], convert(args[1]), *args[2:]), kwargs
+    return reference
+
+
+def warn_at_caller(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside torch and torchtpu: the user's line,
+    where a warning of PyTorch's C++ kernels is attributed (so the default filter shows it once
+    per line of user code, as on the CPU)."""
+    import sys
+    import warnings
+
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_at_caller's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _library_dirs() -> tuple:
+    import os
+
+    import torchtpu
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torchtpu))
+
+
+_LIBRARY_DIRS = _library_dirs()
 
 
 @check("nonzero", when=("out",))
