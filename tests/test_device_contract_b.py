@@ -183,3 +183,22 @@ def test_byte_mask_warning_is_attributed_to_the_callers_line():
     caught = _warnings_of(calls, always=False)
     assert len(caught) == len(_warnings_of(cpu_calls, always=False)) == 2
     assert all(line != 0 for _, _, line in caught)
+
+
+# ------------------------------------------------------------------ exceptions as on the CPU
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.complex64, torch.float32),
+                                    (torch.float64, torch.complex128, torch.float64),
+                                    (torch.int64, torch.float32, torch.int64),
+                                    (torch.bool, torch.int32, torch.bool)], ids=str)
+def test_cat_out_of_the_first_inputs_dtype_refused_as_on_cpu(dtypes):
+    """test_cat_out_different_dtypes: out= has the first input's dtype but not the result type's
+    class: PyTorch's TypeError, not the generic cast error."""
+    x_dtype, y_dtype, out_dtype = dtypes
+    raises_as_cpu(lambda d: torch.cat([torch.tensor([1, 2, 3], dtype=x_dtype, device=d),
+                                       torch.tensor([4, 5, 6], dtype=y_dtype, device=d)],
+                                      out=torch.zeros(6, dtype=out_dtype, device=d)))
+    out = torch.zeros(6, dtype=torch.float32, device="tpu")  # and a cast PyTorch accepts still works
+    torch.cat([torch.ones(3, dtype=torch.float32, device="tpu"), torch.ones(3, dtype=torch.int64, device="tpu")],
+              out=out)
+    same(out, torch.ones(6))

@@ -117,14 +117,15 @@ def _no_kernel(error: BaseException) -> bool:
 
 def _out_contract(op, outs: tuple, accepted: dict, bound: dict) -> None:
     """PyTorch's ``out=`` rules (which dtypes an output may have, whether it may overlap an input)
-    differ by op; where an ``out=`` tensor shares a storage with an input, overlaps itself, or has another dtype than the
-    first input, PyTorch's CPU kernel is asked, once per geometry (``accepted`` remembers
+    differ by op; where an ``out=`` tensor shares a storage with an input, overlaps itself, or has another dtype than an
+    input, PyTorch's CPU kernel is asked, once per geometry (``accepted`` remembers
     which calls it accepted; a refusal is not remembered: it may depend on the values)."""
     written = [t for name in outs for t in _tensors(bound.get(name))]
     inputs = [t for name, v in bound.items() if name not in outs for t in _tensors(v)]
     if not written or not inputs:
         return
-    if all(t.dtype == inputs[0].dtype for t in written) and not any(map(_self_overlapping, written)) and \
+    # every input's dtype: cat([float, complex], out=float) is refused though out has the first's
+    if all(t.dtype == i.dtype for t in written for i in inputs) and not any(map(_self_overlapping, written)) and \
             not any(_shares_storage(w, t) for w in written for t in inputs):
         return
     key = _geometry(bound)
