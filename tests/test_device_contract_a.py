@@ -161,3 +161,48 @@ def test_kaiser_window_checks():
     with pytest.raises(RuntimeError, match="not implemented for sparse types"):
         torch.kaiser_window(3, layout=torch.sparse_coo, device="tpu")
     assert torch.kaiser_window(3, requires_grad=True, device="tpu").requires_grad
+
+
+# ------------------------------------------------------------------ random_
+# test_tensor_creation_ops.py test_random_to/from_to_tpu_uint16/uint32 (KeyError 'torch.uint16'),
+# test_random_from_to_tpu_* (the "from is out of bounds" UserWarning), test_random_to_tpu_float16.
+
+def _random_outcome(dtype, device, args):
+    t = torch.empty(4000, dtype=dtype, device=device)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            t.random_(*args)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+    messages = sorted(str(w.message).split(". ")[0] for w in caught if issubclass(w.category, UserWarning))
+    return error, messages, (None if error else t.double().cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float64, torch.int8, torch.bool])
+def test_random_checks_and_warnings_as_on_cpu(dtype):
+    for args in ((-1, 5), (0, 2 ** 40), (2 ** 25, 2 ** 26), (-2 ** 60, 0), (0,), (3,), (4000,), (32752,),
+                 (-3000, 3000), (2 ** 30, None), (70000, None), (7, 7)):
+        cpu = _random_outcome(dtype, "cpu", args)
+        tpu = _random_outcome(dtype, "tpu", args)
+        assert tpu[:2] == cpu[:2], (args, tpu[:2], cpu[:2])
+        if dtype == torch.bfloat16:  # draws round to the nearest bfloat16, past the ends too (CPU's as well)
+            continue
+        if tpu[2] is not None and len(args) == 2 and args[1] is not None:
+            assert args[0] <= tpu[2].min() and tpu[2].max() < args[1], args
+        elif tpu[2] is not None and len(args) == 1:
+            assert 0 <= tpu[2].min() and tpu[2].max() < args[0], args
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32])
+def test_random_unsigned(dtype):
+    t = torch.empty(5000, dtype=dtype, device="tpu")
+    t.random_(0, 42)
+    assert t.dtype == dtype and 0 <= int(t.min()) and int(t.max()) < 42
+    top = torch.iinfo(dtype).max
+    t.random_(top - 10, top + 1)
+    assert top - 10 <= int(t.min()) and int(t.max()) <= top

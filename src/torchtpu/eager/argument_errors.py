@@ -20,6 +20,7 @@ in-place and ``out=``) and only for those ops.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -241,7 +242,9 @@ def check(*ops: str, when: tuple[str, ...] = ()):
 
 # C++ type names, as PyTorch's messages print them
 _CPP_NAMES = {torch.bool: "bool", torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int",
-              torch.int32: "int", torch.int64: "long int", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+              torch.int32: "int", torch.int64: "long int", torch.uint16: "short unsigned int",
+              torch.uint32: "unsigned int", torch.uint64: "long unsigned int",
+              torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
               torch.float32: "float", torch.float64: "double", torch.complex64: "c10::complex<float>",
               torch.complex128: "c10::complex<double>"}
 _SCALAR_NAMES = {torch.bool: "Bool", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short",
@@ -275,18 +278,54 @@ def _clamp_bounds(bound: dict) -> None:
 
 @check("random")
 def _random_range(bound: dict) -> None:
+    """PyTorch's ``random_from_to_impl`` checks (``DistributionTemplates.h``), in its order and
+    wording: from < to; for floating dtypes the ends moved to where the dtype's rounding keeps
+    draws inside (``update_from``/``update_to``, which the lowering uses too); both ends within
+    the dtype; for floating dtypes a warning where an end lies past +-2^digits."""
+    from torchtpu.ops.random import DIGITS, float_bounds
+
     dtype = bound["self"].dtype
-    if dtype.is_floating_point or dtype.is_complex or "to" not in bound and "from" not in bound:
+    if dtype.is_complex or "to" not in bound and "from" not in bound:
         return
     low = bound.get("from", 0)
     high = bound.get("to")
-    info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-    if high is not None and low >= high:
-        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    digits = DIGITS.get(dtype)
+    if high is not None:
+        if low >= high:
+            raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+        if digits is not None:
+            low, high = float_bounds(dtype, low, high)
+            if low >= high:
+                raise RuntimeError("random_ expects 'from' casted to dtype to be less than 'to' casted to dtype, "
+                                   f"but got from={low} >= to={high}")
+        to_inc = high - 1
+    elif low == torch.iinfo(torch.int64).min:
+        return  # the full 64-bit range: nothing to check
+    elif digits is not None:  # [from, 2^digits]
+        to_inc = min(2 ** digits, torch.iinfo(torch.int64).max)
+        low, _ = float_bounds(dtype, low, None)
+        if low >= to_inc:
+            raise RuntimeError("random_ expects 'from' casted to dtype to be less than or equal to 'to_inc' casted "
+                               f"to dtype, but got from={low} > to_inc={to_inc}")
+    else:  # [from, the dtype's largest value]
+        to_inc = 1 if dtype == torch.bool else torch.iinfo(dtype).max
+    if dtype.is_floating_point:
+        info = (torch.finfo(dtype).min, torch.finfo(dtype).max)
+    elif dtype == torch.uint64:
+        info = (0, torch.iinfo(torch.int64).max)
+    else:
+        info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
     if not info[0] <= low <= info[1]:
         raise RuntimeError(f"from is out of bounds for {_CPP_NAMES[dtype]}")
-    if high is not None and not info[0] <= high - 1 <= info[1]:
+    if not info[0] <= to_inc <= info[1]:
         raise RuntimeError(f"to - 1 is out of bounds for {_CPP_NAMES[dtype]}")
+    if digits is not None:
+        for value, name in ((low, "from"), (to_inc, "to - 1")):
+            if not -(2 ** digits) <= value <= 2 ** digits:
+                warnings.warn(f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision limitations "
+                              f"{_CPP_NAMES[dtype]} can support discrete uniform distribution only within this "
+                              "range. This warning will become an error in version 1.7 release, please fix the "
+                              "code in advance", UserWarning, stacklevel=2)
 
 
 @check("normal")
@@ -400,6 +439,12 @@ def _index_fill_value(bound: dict) -> None:
 def _index_put_dtypes(bound: dict) -> None:
     values, dtype = bound.get("values"), bound["self"].dtype
     if isinstance(values, torch.Tensor) and values.dtype != dtype:
+        # PyTorch checks that values broadcast to the indexed shape first, which can depend on a
+        # mask's values: on this error path the CPU kernel is asked (a read of small arguments)
+        reference = {name: bound[name] for name in ("self", "indices", "values", "accumulate") if name in bound}
+        error = _cpu_verdict(torch.ops.aten.index_put.default, (), reference)
+        if isinstance(error, RuntimeError) and str(error).startswith("shape mismatch"):
+            raise error
         raise RuntimeError(f"Index put requires the source and destination dtypes match, got "
                            f"{_TYPE_NAMES.get(dtype, dtype)} for the destination and "
                            f"{_TYPE_NAMES.get(values.dtype, values.dtype)} for the source.")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.ops.dtypes import is_float, to_jax_dtype
+from torchtpu.ops.dtypes import is_float, to_jax_dtype, to_torch_dtype
 from torchtpu.ops.registry import aten, lowering
 
 
@@ -85,7 +85,32 @@ def _digits(dtype) -> int:
     return int(jnp.iinfo(dtype).max)
 
 
+DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}  # numeric_limits::digits
+
+
+def _through(value: int, dtype: torch.dtype) -> int:
+    """``static_cast<int64_t>(static_cast<scalar_t>(value))``, as PyTorch's CPU computes it."""
+    return int(torch.tensor(value, dtype=torch.int64).to(dtype).to(torch.int64))
+
+
+def float_bounds(dtype: torch.dtype, low: int, high: int | None) -> tuple[int, int | None]:
+    """PyTorch's ``update_from`` / ``update_to`` for a floating ``dtype``: ``from`` raised and
+    ``to`` (exclusive) lowered to where the dtype's rounding keeps draws inside ``[from, to)``."""
+    digits = DIGITS[dtype]
+    if low + 1 <= torch.iinfo(torch.int64).max:
+        plus = _through(low + 1, dtype)
+        if plus < low:
+            low = plus + (1 << ((abs(low + 1).bit_length() - 1) - digits + 1))
+    if high is not None:
+        minus = _through(high - 1, dtype)
+        if minus >= high:
+            high = minus - (1 << ((abs(high - 1).bit_length() - 1) - digits + 1))
+    return low, high
+
+
 def _random(key, x, low: int, high: int | None):
+    if is_float(x.dtype) and (low != 0 or high is not None):  # random_(from, to) / random_(to)
+        low, high = float_bounds(to_torch_dtype(x.dtype), low, high)
     top = _digits(x.dtype) + 1 if high is None else high
     if low >= top:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={top}")
