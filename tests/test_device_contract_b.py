@@ -202,3 +202,36 @@ def test_cat_out_of_the_first_inputs_dtype_refused_as_on_cpu(dtypes):
     torch.cat([torch.ones(3, dtype=torch.float32, device="tpu"), torch.ones(3, dtype=torch.int64, device="tpu")],
               out=out)
     same(out, torch.ones(6))
+
+
+@pytest.mark.parametrize("values", [[], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0]], ids=str)
+def test_mask_assignment_of_another_dtype_and_shape_as_on_cpu(values):
+    """test_boolean_assignment_value_mismatch: PyTorch checks the shape before the dtype."""
+    def call(d):
+        a = torch.arange(0, 4, device=d)
+        a[a > -1] = torch.tensor(values, device=d)
+
+    raises_as_cpu(call)
+
+
+def test_mask_assignment_of_more_rows_than_the_mask_has_elements():
+    """More value rows than mask elements is a mismatch whatever the mask holds (a mask's True
+    count is not read otherwise: a shorter mismatch is not caught, by design)."""
+    def call(d):
+        a = torch.arange(0, 4, device=d)[:1]
+        a[a > -1] = torch.tensor([1, 2, 3], device=d)
+
+    raises_as_cpu(call)
+
+    def two_d(d):
+        x = torch.zeros(2, 4, 3, device=d)
+        x[:, torch.tensor([True, False, True, True], device=d)] = torch.ones(2, 5, 3, device=d)
+
+    raises_as_cpu(two_d)
+    for shape in [(3, 3), (2, 3, 3), (1, 3), (3,)]:  # these broadcast
+        x = torch.zeros(2, 4, 3)
+        m = torch.tensor([True, False, True, True])
+        x[:, m] = torch.ones(shape)
+        t = torch.zeros(2, 4, 3, device="tpu")
+        t[:, m.to("tpu")] = torch.ones(shape, device="tpu")
+        same(t, x)

@@ -150,9 +150,27 @@ def index_put(x, indices, values, accumulate=False):
         if x.shape[lead:lead + mask.ndim] != mask.shape:
             raise IndexError(f"The shape of the mask {list(mask.shape)} at index 0 does not match the shape "
                              f"of the indexed tensor {list(x.shape)} at index {lead}")
+        _check_masked_rows(x, lead, mask, values)
         return _put_masked(lead, bool(accumulate), x, mask, values)
     pattern, arrays = _split(x, _masks_to_indices(x, indices))
     return _put(pattern, bool(accumulate), x, jnp.asarray(values), *arrays)
+
+
+def _check_masked_rows(x, lead: int, mask, values) -> None:
+    """PyTorch's shape check of ``x[mask] = values`` where it does not depend on the mask's values:
+    more rows of values than the mask has elements (and not 1, which broadcasts). Whether the rows
+    match the mask's True count is not checked (it would read the mask on every call)."""
+    values = jnp.asarray(values)
+    at = lead + values.ndim - (x.ndim - mask.ndim + 1)  # values' dims align with the result's from the right
+    rows = values.shape[at] if 0 <= at < values.ndim else 1
+    if rows > 1 and rows > mask.size:
+        try:  # an error: the True count (read here) makes PyTorch's message
+            count = [int(jnp.sum(mask))]
+        except jax.errors.ConcretizationTypeError:  # traced in a graph
+            count = ["the mask's number of True elements"]
+        shape = list(x.shape[:lead]) + count + list(x.shape[lead + mask.ndim:])
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                           f"indexing result of shape {shape}")
 
 
 @lowering(aten._index_put_impl_.default, jit=False, checked=True)
