@@ -327,6 +327,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, cwd=where.parent)
 
 
+# ---------------------------------------------------------------- mcp
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    try:
+        from torchtpu_agent.server import main as serve
+    except ImportError as exc:
+        print(f"torchtpu mcp needs the MCP SDK: pip install 'torchtpu[mcp]' ({exc})", file=sys.stderr)
+        return 1
+    return serve()
+
+
 # ---------------------------------------------------------------- main
 
 def parser() -> argparse.ArgumentParser:
@@ -353,6 +364,9 @@ def parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run benchmarks/run_all.py of the source checkout; other arguments "
                                          "go to it (--list, --only NAME, --timeout S)")
     bench.set_defaults(fn=cmd_bench)
+
+    mcp = sub.add_parser("mcp", help="a Model Context Protocol server on stdio for coding agents (docs/agents.md)")
+    mcp.set_defaults(fn=cmd_mcp)
 
     from torchtpu import export_cli  # torchtpu.export's command (it imports nothing heavy until run)
 
