@@ -206,3 +206,26 @@ def test_random_unsigned(dtype):
     top = torch.iinfo(dtype).max
     t.random_(top - 10, top + 1)
     assert top - 10 <= int(t.min()) and int(t.max()) <= top
+
+
+# ------------------------------------------------------------------ torch.complex / torch.polar
+# test_torch_complex_same_dtype_error / test_torch_complex_out_dtype_error: PyTorch's complex_check_dtype.
+
+def _outcome(fn):
+    try:
+        return "ok", fn().dtype
+    except RuntimeError as e:
+        return "error", str(e)
+
+
+@pytest.mark.parametrize("op", [torch.complex, torch.polar])
+def test_complex_and_polar_dtype_checks_as_on_cpu(op):
+    def calls(d):
+        f = lambda dt: torch.tensor([1., 2.], device=d, dtype=dt)  # noqa: E731
+        return [lambda: op(f(torch.float32), f(torch.float64)), lambda: op(f(torch.float64), f(torch.float32)),
+                lambda: op(f(torch.float32), f(torch.float32), out=torch.zeros(2, device=d)),
+                lambda: op(f(torch.float32), torch.tensor([1, 2], device=d)),
+                lambda: op(f(torch.float32), f(torch.float32), out=torch.zeros(2, device=d, dtype=torch.complex128)),
+                lambda: op(f(torch.float64), f(torch.float64), out=torch.zeros(2, device=d, dtype=torch.complex128))]
+    for tpu, cpu in zip(calls("tpu"), calls("cpu")):
+        assert _outcome(tpu) == _outcome(cpu)

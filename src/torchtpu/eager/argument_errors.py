@@ -328,6 +328,29 @@ def _random_range(bound: dict) -> None:
                               "code in advance", UserWarning, stacklevel=2)
 
 
+@check("complex", "polar")
+def _complex_parts(bound: dict) -> None:
+    """PyTorch's ``complex_check_dtype``, in its order and wording."""
+    from torchtpu.runtime.dtypes import scalar_type_name
+
+    first, second = (bound.get("real"), bound.get("imag")) if "real" in bound else (bound.get("abs"), bound.get("angle"))
+    if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+        return
+    floats = (torch.float16, torch.float32, torch.float64)
+    a, b = first.dtype, second.dtype
+    if a not in floats or b not in floats:
+        raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got "
+                           f"{scalar_type_name(a)} and {scalar_type_name(b)}")
+    if a != b:
+        raise RuntimeError(f"Expected object of scalar type {scalar_type_name(a)} but got scalar type "
+                           f"{scalar_type_name(b)} for second argument")
+    out = bound.get("out")
+    expected = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}[a]
+    if isinstance(out, torch.Tensor) and out.dtype != expected:
+        raise RuntimeError(f"Expected object of scalar type {scalar_type_name(expected)} but got scalar type "
+                           f"{scalar_type_name(out.dtype)} for argument 'out'")
+
+
 @check("normal")
 def _normal_std(bound: dict) -> None:
     std = bound.get("std")
