@@ -229,3 +229,14 @@ def test_complex_and_polar_dtype_checks_as_on_cpu(op):
                 lambda: op(f(torch.float64), f(torch.float64), out=torch.zeros(2, device=d, dtype=torch.complex128))]
     for tpu, cpu in zip(calls("tpu"), calls("cpu")):
         assert _outcome(tpu) == _outcome(cpu)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_float_to_int_casts_out_of_range_as_on_cpu(source):
+    """Out-of-range, infinite and NaN floats cast to integers as PyTorch's CPU casts them (through
+    a 32- or 64-bit int, then wrapped), not saturated as XLA's convert does."""
+    values = torch.tensor([-2.0, -1.5, -0.5, 0.5, 1.5, 300.0, 70000.0, 3e9, 1e10, 2.0**63, -(2.0**65),
+                           float("nan"), float("inf"), -float("inf"), torch.finfo(torch.float).max,
+                           torch.finfo(torch.float).min]).to(source)
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64, torch.bool):
+        assert torch.equal(values.to("tpu").to(dtype).cpu(), values.to(dtype)), dtype

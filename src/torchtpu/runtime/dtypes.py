@@ -36,12 +36,25 @@ JAX_TO_TORCH: dict[np.dtype, torch.dtype] = {j: t for t, j in TORCH_TO_JAX.items
 _SATURATING = {np.dtype(jnp.float8_e4m3fn): 448.0}
 
 
+# Float -> integer casts as PyTorch's CPU makes them (C++'s cast, compiled to x86's truncating
+# convert): into a 32-bit int (64-bit for int64), where a value out of its range, inf or NaN
+# becomes the smallest value, then wrapped to a narrower type (300.0 -> uint8 44, -2.0 -> 254).
+# XLA's convert saturates instead (300.0 -> 255, NaN -> 0).
+_FLOAT_TO_INT_VIA = {np.dtype(t): np.dtype(np.int64 if t is np.int64 else np.int32)
+                     for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)}
+
+
 def convert(x, dtype):
     """``x.astype(dtype)`` with PyTorch's rounding of out-of-range values (traceable)."""
     dtype = np.dtype(dtype)
     bound = _SATURATING.get(dtype)
     if bound is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
         x = jnp.clip(x, -bound, bound)  # (NaN stays NaN)
+    via = _FLOAT_TO_INT_VIA.get(dtype)
+    if via is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        low = np.iinfo(via).min
+        inside = (x >= low) & (x < -float(low))  # false for NaN
+        x = jnp.where(inside, jnp.where(inside, x, 0).astype(via), low)
     return x.astype(dtype)
 
 
