@@ -113,3 +113,19 @@ def test_compiled(fn):
     with pytest.raises(IndexError, match="out of (bounds|range)"):
         compiled(x, _i("tpu", 1, 7)).cpu()
     assert_close(compiled(x, good).cpu(), fn(x.cpu(), good.cpu()))
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE", "DEFER_NEVER_AND_LAUNCH_BLOCKING"])
+def test_masked_put_with_a_wrong_number_of_values_raises(mode):
+    """``x[mask] = v`` with more than one row of ``v`` and not as many as the mask's True elements:
+    PyTorch's shape mismatch, found on the device (it wrote [1, 2, 3, 3] before), raised at the
+    next read (at the op when launches block); a matching count and a broadcast row still write."""
+    with torch.tpu.set_eager_mode(mode):
+        a = torch.arange(4.0, device="tpu")
+        with pytest.raises(RuntimeError, match=r"shape mismatch: value tensor of shape \[3\]"):
+            a[a > -1] = torch.tensor([1.0, 2.0, 3.0], device="tpu")  # raises here when launches block
+            a.cpu()  # else at the next read
+        b = torch.arange(4.0, device="tpu")
+        b[b > 0] = torch.tensor([7.0, 8.0, 9.0], device="tpu")
+        b[b > 8] = torch.tensor([5.0], device="tpu")
+        assert b.cpu().tolist() == [0.0, 7.0, 8.0, 5.0]

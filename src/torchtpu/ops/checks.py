@@ -42,13 +42,35 @@ class IndexOutOfBounds(IndexError, RuntimeError):
     assert is: code written for either catches it."""
 
 
-def _number(message: str) -> int:
+class DeviceCheckFailed(RuntimeError):
+    """Another argument check PyTorch makes on values that live on the device (``x[mask] = v``
+    with as many rows of ``v`` as the mask has True elements), found there and raised at the next
+    synchronisation as an out-of-bounds index is."""
+
+
+_kinds: dict[int, type] = {}  # message number -> exception class (IndexOutOfBounds if absent)
+
+
+def _number(message: str, kind: type | None = None) -> int:
     with _lock:
         n = _numbers.get(message)
         if n is None:
             n = _numbers[message] = len(_messages)
             _messages.append(message)
+            if kind is not None:
+                _kinds[n] = kind
         return n
+
+
+def require(bad, message: str) -> None:
+    """A check of the lowering being traced: ``bad`` (a boolean computed in the program) means
+    PyTorch would have raised ``RuntimeError(message)``; raised at the next synchronisation."""
+    current = _collector.get()
+    if current is None:
+        return
+    op, checks = current
+    checks.append((bad, _number(f"{op}: {message} (tpu checks this on the device and raises at the next "
+                                f"synchronization after the op)", DeviceCheckFailed)))
 
 
 @contextmanager
@@ -184,7 +206,8 @@ def _raise_for(codes: list) -> None:
     values = jax.device_get(codes)
     failed = [int(v) for v in np.ravel(values) if int(v)]
     if failed:
-        raise IndexOutOfBounds(_messages[max(failed)])
+        n = max(failed)
+        raise _kinds.get(n, IndexOutOfBounds)(_messages[n])
 
 
 def discard_pending() -> None:

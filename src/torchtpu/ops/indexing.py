@@ -159,10 +159,16 @@ def index_put(x, indices, values, accumulate=False):
 def _check_masked_rows(x, lead: int, mask, values) -> None:
     """PyTorch's shape check of ``x[mask] = values`` where it does not depend on the mask's values:
     more rows of values than the mask has elements (and not 1, which broadcasts). Whether the rows
-    match the mask's True count is not checked (it would read the mask on every call)."""
+    match the mask's True count is checked on the device (reading the mask on every call would
+    synchronise), raised at the next synchronization as an out-of-bounds index is."""
     values = jnp.asarray(values)
     at = lead + values.ndim - (x.ndim - mask.ndim + 1)  # values' dims align with the result's from the right
     rows = values.shape[at] if 0 <= at < values.ndim else 1
+    if rows > 1 and rows <= mask.size:  # the True count must be ``rows``: checked on the device
+        shape = ", ".join([*map(str, x.shape[:lead]), "the mask's number of True elements",
+                           *map(str, x.shape[lead + mask.ndim:])])
+        checks.require(jnp.sum(mask) != rows, f"shape mismatch: value tensor of shape {list(values.shape)} "
+                       f"cannot be broadcast to indexing result of shape [{shape}]")
     if rows > 1 and rows > mask.size:
         try:  # an error: the True count (read here) makes PyTorch's message
             count = [int(jnp.sum(mask))]
