@@ -20,6 +20,8 @@ in-place and ``out=``) and only for those ops.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 
 import torch
@@ -504,9 +506,6 @@ def warn_at_caller(message: str, category=UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside torch and torchtpu: the user's line,
     where a warning of PyTorch's C++ kernels is attributed (so the default filter shows it once
     per line of user code, as on the CPU)."""
-    import sys
-    import warnings
-
     level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_at_caller's caller
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         level, frame = level + 1, frame.f_back
@@ -514,8 +513,6 @@ def warn_at_caller(message: str, category=UserWarning) -> None:
 
 
 def _library_dirs() -> tuple:
-    import os
-
     import torchtpu
 
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torchtpu))
