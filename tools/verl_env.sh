@@ -36,11 +36,12 @@ eval "$(sed -n -e '/^VLLM_VERSION=/p' -e '/^DEPS=(/,/^)/p' "$REPO/tools/vllm_env
 VLLM_DEPS=("${DEPS[@]}")
 
 # verl 0.9.1's requirements less transformers (vLLM's range above) and the loggers it only
-# imports when asked for them (wandb, tensorboard)
+# imports when asked for them (wandb, tensorboard); TransferQueue, from its verl-core extra, is
+# what its v1 trainers (separate trainer and rollout) pass batches through
 VERL_DEPS=(
     accelerate codetiming datasets dill hydra-core pandas peft "pyarrow>=19" pybind11
     pylatexenc "ray[default]>=2.41" torchdata "tensordict>=0.8,<=0.10,!=0.9.0" packaging
-    uvicorn fastapi cachetools
+    uvicorn fastapi cachetools "TransferQueue>=0.1.10"
 )
 
 mkdir -p "$(dirname "$VENV")"
