@@ -8,8 +8,10 @@
 # instead sees the interpreter's own torch and jax (--system-site-packages), installs
 # sglang with --no-deps and then only the pure-Python packages SGLang imports to start an
 # engine and its OpenAI-compatible server (the list below was found by trying), SGLang's
-# pinned transformers (5.19) and tokenizers, the `openai` client, and this checkout of
-# torchtpu (editable, so its sglang entry points are registered).
+# pinned transformers (5.19) and tokenizers, the `openai` client, the `smg` wheel (the SGLang
+# gateway's Rust router: cache_aware routing in front of several replicas;
+# tools/serve_replicas.py starts it), and this checkout of torchtpu (editable, so its sglang
+# entry points are registered).
 #
 # Environment: PYTHON (the interpreter to build the venv from; default python3).
 set -euo pipefail
@@ -22,6 +24,7 @@ VENV=${1:-/tmp/sglangenv}
 PYTHON=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 SGLANG_VERSION=0.5.23
+SMG_VERSION=1.13.0
 
 # What `import sglang.srt.entrypoints.engine` and a running server need beyond torch/jax/numpy.
 DEPS=(
@@ -38,13 +41,15 @@ PIP=("$VENV/bin/python" -m pip install -q)
 "${PIP[@]}" "${DEPS[@]}"
 # torchvision is imported by SGLang's multimodal configs; --no-deps keeps the interpreter's torch.
 "${PIP[@]}" --no-deps torchvision
+"${PIP[@]}" "smg==$SMG_VERSION"
 "${PIP[@]}" --no-deps -e "$REPO"
 
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 import sglang.srt.entrypoints.engine  # noqa: F401  (fails here, not at the first request)
+import smg  # noqa: F401  (the router)
 import torch
 print(f"sglang {md.version('sglang')}, transformers {md.version('transformers')}, "
-      f"torch {torch.__version__}, tpu: {torch.tpu.get_device_name()}")
+      f"torch {torch.__version__}, tpu: {torch.tpu.get_device_name()}, smg {md.version('smg')}")
 EOF
 echo "Ready: SGLANG_PLATFORM=tpu $VENV/bin/python -m sglang.launch_server --model-path MODEL"

@@ -9,8 +9,9 @@
 # vllm with --no-deps and then only the pure-Python packages vLLM imports to run
 # `LLM.generate` and its OpenAI-compatible server (the list below was found by trying),
 # transformers within vLLM's pin, the `openai` client, torchvision (--no-deps, vLLM's pin;
-# imported by its processors), and this checkout of torchtpu (editable, so its
-# vllm.platform_plugins entry point is registered).
+# imported by its processors), the `vllm-router` wheel (vLLM's Rust router: cache_aware and
+# KV-event routing in front of several replicas; tools/serve_replicas.py starts it), and this
+# checkout of torchtpu (editable, so its vllm.platform_plugins entry point is registered).
 #
 # Environment: PYTHON (the interpreter to build the venv from; default python3).
 set -euo pipefail
@@ -23,6 +24,7 @@ VENV=${1:-/tmp/vllmenv}
 PYTHON=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VLLM_VERSION=0.33.0
+VLLM_ROUTER_VERSION=0.1.17
 
 # What `import vllm.entrypoints.llm, vllm.entrypoints.openai.api_server` and a running
 # engine need beyond torch/jax/numpy, within vllm 0.33.0's own version pins.
@@ -42,13 +44,16 @@ PIP=("$VENV/bin/python" -m pip install -q)
 "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
 "${PIP[@]}" "${DEPS[@]}"
 "${PIP[@]}" --no-deps "torchvision==0.29.0"
+"${PIP[@]}" "vllm-router==$VLLM_ROUTER_VERSION"  # its dependencies are already above
 "${PIP[@]}" --no-deps -e "$REPO"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import vllm.entrypoints.llm, vllm.entrypoints.openai.api_server  # noqa: F401,E401  (fail here)
+import vllm_router_rs  # noqa: F401  (the router's Rust extension)
 from vllm.platforms import current_platform
 print(f"vllm {md.version('vllm')}, transformers {md.version('transformers')}, "
-      f"platform {type(current_platform).__name__} ({current_platform.get_device_name()})")
+      f"platform {type(current_platform).__name__} ({current_platform.get_device_name()}), "
+      f"vllm-router {md.version('vllm-router')}")
 PY
 echo "Ready: $VENV/bin/vllm serve MODEL   (the tpu platform comes from torchtpu's plugin)"
