@@ -68,14 +68,6 @@ NOT_MIGRATED_YET = {
     "flex_attention.py": 2,
     "graphs.py": 5,
     "jax_ops.py": 1,
-    "ops/attention.py": 1,
-    "ops/dtypes.py": 2,
-    "ops/foreach.py": 1,
-    "ops/precision.py": 3,
-    "ops/registry.py": 2,
-    "ops/shape.py": 1,
-    "runtime/execution.py": 2,
-    "runtime/multiprocess.py": 1,
 }
 
 

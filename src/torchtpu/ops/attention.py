@@ -478,11 +478,13 @@ if _pallas is not None:
         if return_debug_mask or not _pallas_takes(query, key, value, attn_bias, dropout_p):
             return fused_attention(rng_key, query, key, value, attn_bias, dropout_p, is_causal,
                                    return_debug_mask, scale=scale)
+        from torchtpu.runtime.compat import pallas_flash_attention_forward
+
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         blocks = _pallas.BlockSizes.get_default()
         # the kernel's forward with residuals (row sum l and max m): logsumexp = m + log(l)
-        out, total, peak = _pallas._flash_attention(query, key, value, _pallas_bias(query, key, attn_bias), None,
-                                                    True, is_causal, scale, blocks, False)
+        out, total, peak = pallas_flash_attention_forward(query, key, value, _pallas_bias(query, key, attn_bias),
+                                                          None, True, is_causal, scale, blocks, False)
         lse = (peak + jnp.log(total)).reshape(query.shape[:3]).astype(jnp.float32)
         zero = jnp.zeros((), jnp.int64)
         return out, lse, None, None, query.shape[2], key.shape[2], zero, zero, None

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
+from torchtpu.runtime.compat import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 from torchtpu.runtime.dtypes import to_jax_dtype, to_torch_dtype  # noqa: F401  (the ops modules import them from here)
 
 

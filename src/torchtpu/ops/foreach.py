@@ -13,9 +13,9 @@ from typing import Callable
 
 import jax.numpy as jnp
 import torch
-from torch._ops import OpOverload
 
 from torchtpu.ops import registry
+from torchtpu.runtime.compat import OpOverload
 from torchtpu.runtime.dtypes import to_jax_dtype
 
 aten = torch.ops.aten

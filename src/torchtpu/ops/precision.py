@@ -41,9 +41,10 @@ import threading
 from typing import Iterator
 
 import numpy as np
-import torch
 from jax import lax
-from torch._C import _get_obj_in_tls, _is_key_in_tls
+
+from torchtpu.runtime.compat import AUTOGRAD_CALLER_KEY as _CALLER, float32_matmul_precision as _torch_setting
+from torchtpu.runtime.compat import get_obj_in_tls as _get_obj_in_tls, is_key_in_tls as _is_key_in_tls
 
 PRECISIONS: dict[str, lax.Precision] = {
     "highest": lax.Precision.HIGHEST,
@@ -54,8 +55,6 @@ PRECISIONS: dict[str, lax.Precision] = {
 _block: contextvars.ContextVar[str] = contextvars.ContextVar("torchtpu_matmul_precision")
 _blocks = 0  # live ``scope`` blocks in any thread: with none, setting() is torch's at once
 _blocks_lock = threading.Lock()
-_CALLER = "context"  # where autograd's backward threads find their caller's contextvars (runtime/execution.py)
-_torch_setting = torch._C._get_float32_matmul_precision
 _traced = threading.local()  # .pin: what the program being traced in this thread asks for, if any
 
 

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+
+from torchtpu.runtime.compat import OpOverload, OpOverloadPacket
 
 aten = torch.ops.aten
 PLATFORMS = ("cpu", "gpu", "tpu")

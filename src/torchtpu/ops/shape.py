@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from torch._ops import OpOverload
 
 from torchtpu.ops.dtypes import result_type, to_jax_dtype
+from torchtpu.runtime.compat import OpOverload
 from torchtpu.runtime.dtypes import convert
 from torchtpu.ops.registry import aten, lowering
 

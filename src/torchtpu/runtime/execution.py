@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextvars
 
-from torch._C import _get_obj_in_tls, _is_key_in_tls
+from torchtpu.runtime.compat import AUTOGRAD_CALLER_KEY as _CALLER
+from torchtpu.runtime.compat import get_obj_in_tls as _get_obj_in_tls, is_key_in_tls as _is_key_in_tls
 
 
 class Execution:
@@ -38,7 +39,6 @@ class Execution:
 
 _override: contextvars.ContextVar[Execution] = contextvars.ContextVar("torchtpu_execution")
 _default = Execution(None)  # replaced by eager/modes.py at import with the configured mode
-_CALLER = "context"  # where torch.autograd.graph._engine_run_backward stashes its caller's contextvars
 
 
 def current() -> Execution:

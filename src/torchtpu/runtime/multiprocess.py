@@ -289,12 +289,9 @@ def install_excepthook() -> bool:
     """Patch ``multiprocess.excepthook`` (``torchtpu.patches``): after an uncaught exception, leave
     without JAX's exit-time shutdown barrier (see above)."""
     global _previous_excepthook
-    try:
-        from jax._src import api
+    try:  # JAX's atexit handler: the barrier, then teardown
+        from torchtpu.runtime.compat import jax_exit_clean_up as clean_up
     except ImportError:  # a JAX without it: keep its exit as it is
-        return False
-    clean_up = getattr(api, "clean_up", None)  # JAX's atexit handler: the barrier, then teardown
-    if clean_up is None:
         return False
     previous = _previous_excepthook = sys.excepthook
 
