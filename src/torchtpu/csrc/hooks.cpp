@@ -15,6 +15,7 @@
 // pybind11 as bundled with torch, not <torch/extension.h>: that one pulls in all of libtorch's
 // C++ API and makes the first build ~5x slower (about 36 s of CPU instead of 7 s).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/CachingHostAllocator.h>
@@ -33,12 +34,23 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 #include <utility>
 
 namespace py = pybind11;
 
 namespace torchtpu {
 void register_autocast();  // autocast.cpp: PyTorch's CUDA autocast policy on AutocastPrivateUse1
+// eager.cpp: the native eager kernel (torchtpu/eager/native.py)
+void native_eager_setup(py::dict refs);
+void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
+                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots);
+void native_eager_clear();
+void native_eager_enable(bool on);
+bool native_eager_enabled();
+int64_t native_reserve_address(int64_t nbytes);
+void native_set_next_address(int64_t next);
+py::dict native_eager_stats();
 }
 
 namespace {
@@ -607,4 +619,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_autocast", &torchtpu::register_autocast,
         "register_autocast() -> None: PyTorch's CUDA autocast policy as the AutocastPrivateUse1 "
         "kernels (once per process)");
+  m.def("native_eager_setup", &torchtpu::native_eager_setup, "native_eager_setup(refs): what the native "
+        "eager kernel reads of the Python side (eager/native.py)");
+  m.def("native_eager_register", &torchtpu::native_eager_register,
+        "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots): the C++ kernel of one op on "
+        "PrivateUse1 (its Python kernel must be on PrivateUse2)");
+  m.def("native_eager_clear", &torchtpu::native_eager_clear, "deregister every native eager kernel");
+  m.def("native_eager_enable", &torchtpu::native_eager_enable, "native_eager_enable(on): use the native path");
+  m.def("native_eager_enabled", &torchtpu::native_eager_enabled, "whether the native path is in use");
+  m.def("native_reserve_address", &torchtpu::native_reserve_address,
+        "native_reserve_address(nbytes) -> int: a fresh fake device address (the one counter)");
+  m.def("native_set_next_address", &torchtpu::native_set_next_address,
+        "native_set_next_address(next): move the address counter forward to next");
+  m.def("native_eager_stats", &torchtpu::native_eager_stats,
+        "native_eager_stats() -> {op: (native calls, keys, calls left to Python: mode, checked argument, argument, given up, learning)}");
 }

@@ -154,9 +154,22 @@ _next_address = 1 << 40
 _DEVICES: dict[int, torch.device] = {}
 
 
+_native_reserve = None  # the C++ counter, once the native eager kernel makes storages too
+
+
+def use_native_addresses(reserve, set_next) -> None:
+    """Take every later address from the C++ counter ``reserve`` (moved past those given out here)."""
+    global _native_reserve
+    with _address_lock:
+        set_next(_next_address)
+        _native_reserve = reserve
+
+
 def reserve_address(nbytes: int) -> int:
     """A fresh fake device address for ``nbytes`` bytes, never reused."""
     global _next_address
+    if _native_reserve is not None:
+        return _native_reserve(nbytes)
     with _address_lock:
         address = _next_address
         _next_address += (nbytes // 64 + 2) * 64

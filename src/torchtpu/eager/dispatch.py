@@ -379,6 +379,9 @@ def rebuild(key, dyn):
 class Kernel:
     """The eager kernel of one functional overload with a lowering."""
 
+    learn = False  # set by the native kernel (csrc/eager.cpp) for one call: report it in ``last``
+    last = None  # (program, dynamic values) of that call
+
     def __init__(self, lowering: Lowering):
         self.op = lowering.op
         self.lowering = lowering
@@ -462,6 +465,8 @@ class Kernel:
             fn = self._jitted.get((call.key, None, setting, _default_dtype())) or \
                 self.compiled(call.key, None, setting, (args, kwargs))
         dyn = call.dyn
+        if self.learn:
+            self.learn, self.last = False, (fn, dyn)
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
         _op_counts[self.name] += 1

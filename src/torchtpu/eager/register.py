@@ -8,7 +8,7 @@ from torch._ops import OpOverload
 
 from torchtpu import metrics, patches
 from torchtpu.device import registration
-from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, transfer, views
+from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, native_kernels, transfer, views
 from torchtpu.ops import checks, foreach, registry
 from torchtpu.runtime import state, streams
 
@@ -133,9 +133,14 @@ def install() -> None:
     if _libs:
         return
     libs: dict[str, torch.library.Library] = {}
+
+    def lib_for(op):
+        return libs.get(op.namespace) or libs.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
+
+    native = native_kernels.install(lib_for, kernels())  # their Python kernels on PrivateUse2
     for op, kernel in kernels().items():
-        lib = libs.get(op.namespace) or libs.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
-        _impl(lib, op, kernel)
+        if op not in native:
+            _impl(lib_for(op), op, kernel)
     _libs.extend(libs.values())
     _libs.append(attention.install_autograd())  # SDPA chooses its backend above autograd
     registration.set_fallback(fallback.fallback)
@@ -184,5 +189,6 @@ def _uninstall() -> None:
     """In a child forked after the runtime started: every tpu op reaches the fallback again, which
     tries to start the runtime and raises the bad-fork error (``runtime/state.py``)."""
     registration.set_fallback(None)
+    native_kernels.uninstall()
     while _libs:
         _libs.pop()._destroy()

@@ -42,7 +42,8 @@ from torchtpu.config import config
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 # hooks.cpp: the hooks, allocator and guard; autocast.cpp: the autocast policy (ATen's heavy
 # headers, so a translation unit of its own, compiled in parallel)
-_SOURCES = [os.path.join(_CSRC, name) for name in ("hooks.cpp", "autocast.cpp")]
+# eager.cpp: the native eager kernel (eager/native.py)
+_SOURCES = [os.path.join(_CSRC, name) for name in ("hooks.cpp", "autocast.cpp", "eager.cpp")]
 _CFLAGS = ["-O2"]
 _LIB_EXT = ".pyd" if os.name == "nt" else ".so"
 _LOCK_TIMEOUT_S = 600.0  # the longest wait for another process's build

@@ -1,0 +1,725 @@
+// The native eager path: the `tpu` kernel of the ops that dominate real programs, in C++.
+//
+// An eager op through a Python kernel costs PyTorch's dispatcher boxing the call into Python
+// objects, the kernel's argument walk and the wrapping of its result: about 15 us on top of the
+// JAX call. Here the PrivateUse1 kernel of a registered op is a C++ functor that, per call:
+//
+//   1. checks that the op may run at once: the context's eager mode is DEFER_NEVER (the shared
+//      `Execution` object of that mode, read as `runtime/execution.py`'s `current()` reads it), no
+//      graph is being captured and no profiler span is wanted;
+//   2. walks the boxed arguments once, building the call's key (the static arguments, and for a
+//      tensor whether it is its storage's whole array or a view of which geometry) and the list of
+//      dynamic values (storages' jax.Arrays, cached device scalars), as eager/dispatch.py's `Call`;
+//   3. finds the key's jitted program in its own table, calls it through CPython's vectorcall (JAX's
+//      C++ fast path then checks shapes and dtypes and launches), and
+//   4. wraps each output array as a new `tpu` tensor: a StorageImpl with a fresh fake address
+//      whose Python object holds the array (`storage._jax`, what device/bridge.py reads).
+//
+// Everything else takes the Python kernel, registered on the PrivateUse2 key for these ops and
+// reached by redispatching there: a first call, any other mode, capture, a tensor without a
+// computed array (deferred, lazy bits, another dtype), a CPU tensor other than a 0-d scalar, an
+// argument the key cannot hold, an error. The Python path stays the reference: the table is filled
+// by *learning* from it. On a key's first call the Python kernel runs (its result is the call's
+// result) and reports the program and dynamic values it used (`Kernel.last`); when they are the
+// very objects this walk produced, the program is recorded for the key. A call of the same key
+// then runs exactly what the Python kernel would have run. Keys that do not match are left to
+// Python after a few tries.
+//
+// All of it runs holding the GIL (PyTorch's bindings release it around the dispatcher).
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <ATen/ThreadLocalPythonObjects.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Storage.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace torchtpu {
+
+namespace {
+
+// Argument kinds, as eager/dispatch.py's _Signature: a tensor, a dynamic number (a cached device
+// scalar), a static value (part of the key).
+enum Kind : int8_t { kTensor = 0, kScalar = 3, kStatic = 4 };
+
+// Key tags: what follows each tag in the key.
+enum Tag : int64_t {
+  tNone = -1, tDyn = -2, tView = -3, tBool = -4, tInt = -5, tDouble = -6, tIntList = -7,
+  tString = -8, tDevice = -9, tDoubleList = -10, tBoolList = -11, tOmitted = -12,
+};
+
+// ------------------------------------------------------------------------- process-wide state
+struct Globals {
+  bool enabled = false;
+  PyObject* array_type = nullptr;        // jaxlib's ArrayImpl
+  PyObject* laid_out_type = nullptr;     // eager/dispatch.py's _LaidOut (outputs not contiguous)
+  PyObject* override_var = nullptr;      // runtime/execution.py's _override ContextVar
+  PyObject* execution_globals = nullptr; // its module dict (`_default`)
+  PyObject* never = nullptr;             // the DEFER_NEVER Execution object
+  PyObject* bridge_globals = nullptr;    // device/bridge.py's module dict (`capturing`)
+  PyObject* modes_globals = nullptr;     // eager/modes.py's module dict (`tracing`)
+  PyObject* precision_globals = nullptr; // ops/precision.py's module dict (`_blocks`)
+  PyObject* matmul_setting = nullptr;    // torch._C._get_float32_matmul_precision
+  PyObject* scalar_fn = nullptr;         // dispatch._scalar(value)
+  PyObject* host_scalar_fn = nullptr;    // dispatch._host_scalar(value, dtype)
+  PyObject* op_counts = nullptr;         // metrics.ops (a Counter)
+  PyObject* s_jax = nullptr;             // "_jax"
+  PyObject* s_dtype = nullptr;
+  PyObject* s_shape = nullptr;
+  PyObject* s_capturing = nullptr;
+  PyObject* s_tracing = nullptr;
+  PyObject* s_default = nullptr;
+  PyObject* s_blocks = nullptr;
+  PyObject* s_learn = nullptr;
+  PyObject* s_last = nullptr;
+  // jax dtype object -> torch ScalarType, and back (index: ScalarType)
+  std::unordered_map<PyObject*, c10::ScalarType> from_jax;
+  PyObject* to_jax[static_cast<int>(c10::ScalarType::NumOptions)] = {};
+  // (tag, bits) -> a cached 0-d device array (owned references)
+  std::unordered_map<std::pair<int64_t, int64_t>, PyObject*, c10::hash<std::pair<int64_t, int64_t>>> scalars;
+  std::atomic<int64_t> next_address{int64_t(1) << 40};
+  std::vector<std::unique_ptr<torch::Library>> libraries;
+};
+
+Globals& G() {
+  static Globals* g = new Globals();  // leaked: kernels may run during interpreter shutdown
+  return *g;
+}
+
+int64_t reserve_address(int64_t nbytes) {
+  return G().next_address.fetch_add((nbytes / 64 + 2) * 64);
+}
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    size_t h = key.size();
+    for (int64_t v : key) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
+struct Entry {
+  PyObject* fn = nullptr;  // the jitted program (owned); null: this key stays with Python
+  int misses = 0;          // learning attempts that did not match
+};
+
+constexpr int kMaxMisses = 3;
+constexpr size_t kMaxEntries = 4096;  // per op, as the Python kernel's LRU (static keys hold shapes)
+
+// The dynamic values of one call (new references), released on every exit.
+struct DynList {
+  std::vector<PyObject*> items;
+  ~DynList() {
+    for (PyObject* o : items) Py_DECREF(o);
+  }
+  void push(PyObject* o) { items.push_back(o); }  // steals
+};
+
+class NativeOp;
+void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+class NativeOp final : public c10::OperatorKernel {
+ public:
+  NativeOp(py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
+           const std::string& metric)
+      : kernel_(std::move(kernel)), kinds_(std::move(kinds)), triggers_(std::move(triggers)), dots_(dots),
+        name_(py::str(metric)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    run(*this, op, stack);
+  }
+
+  py::object kernel_;
+  std::vector<int8_t> kinds_;     // per schema argument
+  std::vector<int64_t> triggers_; // arguments whose non-default value needs the Python checks
+  bool dots_;
+  py::object name_;               // str(op), the metrics' key
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;
+  int64_t native_calls_ = 0;
+  int64_t python_calls_ = 0;
+  // calls left to Python, by why: another mode/capture, a checked argument, an argument the walk
+  // cannot take, a key given up on, a first call (learning)
+  int64_t left_[5] = {};
+};
+
+void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
+}
+
+PyObject* module_global(PyObject* globals, PyObject* name) {
+  return PyDict_GetItem(globals, name);  // borrowed; null if absent
+}
+
+// Whether this context runs ops at once (DEFER_NEVER), with nothing capturing or tracing.
+bool at_once() {
+  Globals& g = G();
+  PyObject* capturing = module_global(g.bridge_globals, g.s_capturing);
+  if (capturing == nullptr || PyObject_IsTrue(capturing)) return false;
+  if (module_global(g.modes_globals, g.s_tracing) != Py_False) return false;
+  PyObject* execution = nullptr;
+  if (PyContextVar_Get(g.override_var, nullptr, &execution) < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  if (execution != nullptr) {
+    bool ok = execution == g.never;
+    Py_DECREF(execution);
+    return ok;  // (another mode, or a stale follower copy: Python decides)
+  }
+  if (at::impl::ThreadLocalPythonObjects::contains("context")) return false;  // an autograd thread
+  return module_global(g.execution_globals, g.s_default) == g.never;
+}
+
+// A cached device scalar for (tag, bits); `make` builds it on a miss. New reference or null.
+template <typename Make>
+PyObject* cached_scalar(int64_t tag, int64_t bits, Make make) {
+  Globals& g = G();
+  auto key = std::make_pair(tag, bits);
+  auto it = g.scalars.find(key);
+  if (it != g.scalars.end()) {
+    Py_INCREF(it->second);
+    return it->second;
+  }
+  PyObject* value = make();
+  if (value == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (Py_TYPE(value) != reinterpret_cast<PyTypeObject*>(g.array_type)) {  // not cacheable (out of range)
+    Py_DECREF(value);
+    return nullptr;
+  }
+  if (g.scalars.size() >= 8192) {
+    for (auto& kv : g.scalars) Py_DECREF(kv.second);
+    g.scalars.clear();
+  }
+  Py_INCREF(value);
+  g.scalars.emplace(key, value);
+  return value;
+}
+
+int64_t double_bits(double v) {
+  int64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
+// A Python number's cached device scalar (dispatch._scalar). New reference or null.
+PyObject* number_scalar(const c10::IValue& v) {
+  Globals& g = G();
+  if (v.isDouble()) {
+    double d = v.toDouble();
+    return cached_scalar(tDouble, double_bits(d), [&] {
+      return PyObject_CallOneArg(g.scalar_fn, py::float_(d).ptr());
+    });
+  }
+  if (v.isBool()) {
+    bool b = v.toBool();
+    return cached_scalar(tBool, b, [&] { return PyObject_CallOneArg(g.scalar_fn, b ? Py_True : Py_False); });
+  }
+  if (v.isInt()) {
+    int64_t i = v.toInt();
+    return cached_scalar(tInt, i, [&] { return PyObject_CallOneArg(g.scalar_fn, py::int_(i).ptr()); });
+  }
+  return nullptr;  // complex, symbolic: Python
+}
+
+// A CPU 0-d tensor joining the op as a scalar (dispatch._host_scalar). New reference or null.
+PyObject* host_scalar(const at::Tensor& t) {
+  Globals& g = G();
+  c10::ScalarType st = t.scalar_type();
+  if (c10::isComplexType(st) || G().to_jax[static_cast<int>(st)] == nullptr) return nullptr;
+  int64_t tag = 1000 + static_cast<int64_t>(st);
+  if (c10::isFloatingType(st)) {
+    double d = t.item<double>();
+    return cached_scalar(tag, double_bits(d), [&] {
+      py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
+      return PyObject_CallFunctionObjArgs(g.host_scalar_fn, py::float_(d).ptr(), dtype.ptr(), nullptr);
+    });
+  }
+  if (st == c10::ScalarType::Bool) {
+    bool b = t.item<bool>();
+    return cached_scalar(tag, b, [&] {
+      py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
+      return PyObject_CallFunctionObjArgs(g.host_scalar_fn, b ? Py_True : Py_False, dtype.ptr(), nullptr);
+    });
+  }
+  int64_t i = t.item<int64_t>();
+  return cached_scalar(tag, i, [&] {
+    py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
+    return PyObject_CallFunctionObjArgs(g.host_scalar_fn, py::int_(i).ptr(), dtype.ptr(), nullptr);
+  });
+}
+
+// A static argument into the key; false if the key cannot hold it.
+bool static_key(const c10::IValue& v, std::vector<int64_t>& key) {
+  if (v.isNone()) {
+    key.push_back(tNone);
+  } else if (v.isBool()) {
+    key.push_back(tBool);
+    key.push_back(v.toBool());
+  } else if (v.isInt()) {
+    key.push_back(tInt);
+    key.push_back(v.toInt());
+  } else if (v.isDouble()) {
+    double d = v.toDouble();
+    key.push_back(tDouble);
+    key.push_back(std::isnan(d) ? int64_t(0x7ff8000000000000LL) : double_bits(d));
+  } else if (v.isIntList()) {
+    auto list = v.toIntList();
+    key.push_back(tIntList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (int64_t x : list) key.push_back(x);
+  } else if (v.isDoubleList()) {
+    auto list = v.toDoubleList();
+    key.push_back(tDoubleList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (double x : list) key.push_back(double_bits(x));
+  } else if (v.isBoolList()) {
+    auto list = v.toBoolList();
+    key.push_back(tBoolList);
+    key.push_back(static_cast<int64_t>(list.size()));
+    for (bool x : list) key.push_back(x);
+  } else if (v.isString()) {
+    const std::string& s = v.toStringRef();
+    key.push_back(tString);
+    key.push_back(static_cast<int64_t>(s.size()));
+    for (char c : s) key.push_back(c);
+  } else if (v.isDevice()) {
+    key.push_back(tDevice);
+    key.push_back(static_cast<int64_t>(v.toDevice().type()));
+    key.push_back(v.toDevice().index());
+  } else {
+    return false;  // a symbolic size, a generator, a list of lists ...: Python
+  }
+  return true;
+}
+
+// Reads a tensor argument: appends its key entry and dynamic values; false: leave the call to Python.
+bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, DynList& dyn) {
+  Globals& g = G();
+  if (!t.defined()) {
+    key.push_back(tNone);
+    return true;
+  }
+  c10::Device where = t.device();
+  if (where.type() != c10::DeviceType::PrivateUse1) {
+    if (where.type() == c10::DeviceType::CPU && t.dim() == 0) {  // a scalar joining a device op
+      // (a wrapped Python number reaches the Python kernel as the number itself)
+      PyObject* s = t.unsafeGetTensorImpl()->is_wrapped_number() ? number_scalar(c10::IValue(t.item())) : host_scalar(t);
+      if (s == nullptr) return false;
+      dyn.push(s);
+      key.push_back(tDyn);
+      return true;
+    }
+    return false;  // the device mismatch error is Python's
+  }
+  if (device < 0) {
+    device = where.index();
+  } else if (device != where.index()) {
+    return false;
+  }
+  if (t.is_conj() || t.is_neg()) return false;
+  c10::ScalarType st = t.scalar_type();
+  PyObject* storage = THPStorage_Wrap(t.storage());
+  if (storage == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* array = PyObject_GetAttr(storage, g.s_jax);
+  Py_DECREF(storage);
+  if (array == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type)) {  // none yet, or deferred
+    Py_DECREF(array);
+    return false;
+  }
+  dyn.push(array);
+  PyObject* dtype = PyObject_GetAttr(array, g.s_dtype);
+  if (dtype == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  bool same_dtype = dtype == g.to_jax[static_cast<int>(st)];
+  Py_DECREF(dtype);
+  if (!same_dtype) return false;  // a dtype view (view(dtype), bytes after torch.load): Python
+  PyObject* shape = PyObject_GetAttr(array, g.s_shape);
+  if (shape == nullptr || !PyTuple_Check(shape)) {
+    Py_XDECREF(shape);
+    PyErr_Clear();
+    return false;
+  }
+  auto sizes = t.sizes();
+  bool same_shape = PyTuple_GET_SIZE(shape) == static_cast<Py_ssize_t>(sizes.size());
+  for (size_t i = 0; same_shape && i < sizes.size(); i++) {
+    same_shape = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)) == sizes[i];
+  }
+  Py_DECREF(shape);
+  if (same_shape && t.is_contiguous() && t.storage_offset() == 0) {
+    key.push_back(tDyn);
+    return true;
+  }
+  // a view, read inside the op's program: its storage's array, its offset, and its geometry
+  PyObject* offset = number_scalar(c10::IValue(t.storage_offset()));
+  if (offset == nullptr) return false;
+  dyn.push(offset);
+  key.push_back(tView);
+  key.push_back(static_cast<int64_t>(st));
+  key.push_back(static_cast<int64_t>(sizes.size()));
+  auto strides = t.strides();
+  int64_t contiguous = 1;
+  std::vector<int64_t> normal(sizes.size());
+  for (size_t i = sizes.size(); i-- > 0;) {  // strides of size-1 dims address nothing (dispatch._view)
+    normal[i] = sizes[i] == 1 ? contiguous : strides[i];
+    contiguous *= std::max<int64_t>(sizes[i], 1);
+  }
+  for (size_t i = 0; i < sizes.size(); i++) {
+    key.push_back(sizes[i]);
+    key.push_back(normal[i]);
+  }
+  return true;
+}
+
+// A new tpu tensor holding `array` on tpu:`device`; undefined on failure (a Python error set).
+at::Tensor wrap(PyObject* array, int device) {
+  Globals& g = G();
+  if (array == Py_None) return at::Tensor();
+  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type)) {
+    PyErr_SetString(PyExc_TypeError, "tpu: a native eager program returned something other than an array");
+    return at::Tensor();
+  }
+  PyObject* dtype = PyObject_GetAttr(array, g.s_dtype);
+  if (dtype == nullptr) return at::Tensor();
+  auto found = g.from_jax.find(dtype);
+  Py_DECREF(dtype);
+  if (found == g.from_jax.end()) {
+    PyErr_SetString(PyExc_TypeError, "tpu: a native eager program returned an array of an unknown dtype");
+    return at::Tensor();
+  }
+  PyObject* shape = PyObject_GetAttr(array, g.s_shape);
+  if (shape == nullptr) return at::Tensor();
+  std::vector<int64_t> sizes(PyTuple_GET_SIZE(shape));
+  int64_t numel = 1;
+  for (size_t i = 0; i < sizes.size(); i++) {
+    sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    numel *= sizes[i];
+  }
+  Py_DECREF(shape);
+  c10::ScalarType st = found->second;
+  int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(st));
+  c10::Device where(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
+  // as torch._C._construct_storage_from_data_pointer builds device/bridge.py's storages
+  c10::Storage storage(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), static_cast<size_t>(nbytes),
+      c10::DataPtr(reinterpret_cast<void*>(reserve_address(nbytes)), where), /*allocator=*/nullptr,
+      /*resizable=*/false));
+  PyObject* py_storage = THPStorage_Wrap(storage);
+  if (py_storage == nullptr) return at::Tensor();
+  int failed = PyObject_SetAttr(py_storage, g.s_jax, array);
+  Py_DECREF(py_storage);  // (the storage keeps its Python object, and so the array, while it lives)
+  if (failed) return at::Tensor();
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                         c10::scalarTypeToTypeMeta(st));
+  tensor.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return tensor;
+}
+
+// Pushes the program's result onto the stack as the op's returns; false (nothing pushed, a Python
+// error set) if it cannot.
+bool push_outputs(const c10::OperatorHandle& op, PyObject* out, int device, torch::jit::Stack* stack) {
+  size_t nreturns = op.schema().returns().size();
+  if (nreturns == 1) {
+    at::Tensor t = wrap(out, device);
+    if (!t.defined()) return false;
+    stack->emplace_back(std::move(t));
+    return true;
+  }
+  if (!PyTuple_Check(out) && !PyList_Check(out)) {
+    PyErr_SetString(PyExc_TypeError, "tpu: a native eager program returned one value for several outputs");
+    return false;
+  }
+  PyObject* seq = PySequence_Fast(out, "outputs");
+  if (seq == nullptr || static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) != nreturns) {
+    Py_XDECREF(seq);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tpu: wrong number of outputs");
+    return false;
+  }
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < nreturns; i++) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+    at::Tensor t = wrap(item, device);
+    if (!t.defined() && item != Py_None) {
+      Py_DECREF(seq);
+      return false;
+    }
+    outs.push_back(std::move(t));
+  }
+  Py_DECREF(seq);
+  for (auto& t : outs) stack->emplace_back(std::move(t));
+  return true;
+}
+
+void count_op(NativeOp& self) {
+  Globals& g = G();
+  PyObject* counts = g.op_counts;
+  PyObject* old = PyDict_GetItem(counts, self.name_.ptr());  // borrowed
+  long long n = old == nullptr ? 0 : PyLong_AsLongLong(old);
+  PyObject* updated = PyLong_FromLongLong(n + 1);
+  PyDict_SetItem(counts, self.name_.ptr(), updated);
+  Py_DECREF(updated);
+}
+
+// Learns a key from the Python kernel's run of this call: records its program when it used exactly
+// this walk's dynamic values.
+void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack, std::vector<int64_t>&& key,
+           const DynList& dyn) {
+  Globals& g = G();
+  PyObject* kernel = self.kernel_.ptr();
+  if (PyObject_SetAttr(kernel, g.s_learn, Py_True) < 0) PyErr_Clear();
+  {
+    py::gil_scoped_release release;  // as PyTorch calls a Python kernel; it takes the GIL itself
+    to_python(op, stack);
+  }
+  PyObject* last = PyObject_GetAttr(kernel, g.s_last);
+  if (last == nullptr) PyErr_Clear();
+  if (PyObject_SetAttr(kernel, g.s_last, Py_None) < 0) PyErr_Clear();
+  if (PyObject_SetAttr(kernel, g.s_learn, Py_False) < 0) PyErr_Clear();
+  if (self.table_.size() >= kMaxEntries) {  // bounded, as the Python kernel's LRU
+    for (auto& kv : self.table_) Py_XDECREF(kv.second.fn);
+    self.table_.clear();
+  }
+  Entry& entry = self.table_[std::move(key)];
+  bool match = last != nullptr && PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2;
+  PyObject* fn = match ? PyTuple_GET_ITEM(last, 0) : nullptr;
+  PyObject* values = match ? PyTuple_GET_ITEM(last, 1) : nullptr;
+  match = match && Py_TYPE(fn) != reinterpret_cast<PyTypeObject*>(g.laid_out_type) && PyList_Check(values) &&
+          static_cast<size_t>(PyList_GET_SIZE(values)) == dyn.items.size();
+  for (size_t i = 0; match && i < dyn.items.size(); i++) match = PyList_GET_ITEM(values, i) == dyn.items[i];
+  if (match && entry.fn == nullptr) {
+    Py_INCREF(fn);
+    entry.fn = fn;
+    entry.misses = 0;
+  } else if (!match) {
+    entry.misses++;
+  }
+  Py_XDECREF(last);
+}
+
+void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  Globals& g = G();
+  if (!g.enabled) return to_python(op, stack);
+  py::gil_scoped_acquire gil;
+  if (!at_once()) {
+    self.left_[0]++;
+    py::gil_scoped_release release;
+    return to_python(op, stack);
+  }
+  const auto& schema = op.schema();
+  size_t nargs = schema.arguments().size();
+  auto args = torch::jit::last(*stack, nargs);
+  for (int64_t i : self.triggers_) {  // an argument PyTorch's checks look at (add's alpha)
+    const auto& given = schema.arguments()[i].default_value();
+    if (!given.has_value() || !(args[i] == *given)) {
+      self.left_[1]++;
+      py::gil_scoped_release release;
+      return to_python(op, stack);
+    }
+  }
+  thread_local std::vector<int64_t> key;
+  key.clear();
+  key.push_back(static_cast<int64_t>(c10::get_default_dtype_as_scalartype()));
+  bool ok = true;
+  if (self.dots_) {  // its programs key on the fp32 matmul precision (ops/precision.py's setting)
+    PyObject* blocks = module_global(g.precision_globals, g.s_blocks);
+    ok = blocks != nullptr && !PyObject_IsTrue(blocks);
+    if (ok) {
+      PyObject* setting = PyObject_CallNoArgs(g.matmul_setting);
+      ok = setting != nullptr;
+      if (ok) {
+        key.push_back(PyUnicode_CompareWithASCIIString(setting, "highest") == 0 ? 0
+                      : PyUnicode_CompareWithASCIIString(setting, "high") == 0 ? 1 : 2);
+        Py_DECREF(setting);
+      } else {
+        PyErr_Clear();
+      }
+    }
+  }
+  // The arguments the Python kernel is not given (PyTorch's boxing into Python drops those at
+  // their defaults: keyword-only ones, and positional ones after the last given): no dynamic value.
+  const auto& formals = schema.arguments();
+  auto is_default = [&](size_t i) {
+    const auto& d = formals[i].default_value();
+    return d.has_value() && args[i] == *d;
+  };
+  size_t kwarg_only_start = nargs;
+  while (kwarg_only_start > 0 && formals[kwarg_only_start - 1].kwarg_only()) kwarg_only_start--;
+  size_t positional_end = kwarg_only_start;
+  while (positional_end > 0 && is_default(positional_end - 1)) positional_end--;
+  DynList dyn;
+  int device = -1;
+  for (size_t i = 0; ok && i < nargs; i++) {
+    const c10::IValue& v = args[i];
+    if (i < kwarg_only_start ? i >= positional_end : is_default(i)) {
+      key.push_back(tOmitted);
+      continue;
+    }
+    switch (self.kinds_[i]) {
+      case kTensor:
+        if (v.isNone()) {
+          key.push_back(tNone);
+        } else if (v.isTensor()) {
+          ok = tensor_arg(v.toTensor(), device, key, dyn);
+        } else {
+          ok = static_key(v, key);  // (an untyped slot's value)
+        }
+        break;
+      case kScalar:
+        if (v.isNone()) {
+          key.push_back(tNone);
+        } else if (v.isTensor()) {
+          ok = tensor_arg(v.toTensor(), device, key, dyn);
+        } else {
+          PyObject* s = number_scalar(v);
+          ok = s != nullptr;
+          if (ok) {
+            dyn.push(s);
+            key.push_back(tDyn);
+          }
+        }
+        break;
+      default:
+        ok = static_key(v, key);
+    }
+  }
+  if (!ok || device < 0) {  // (no tpu tensor: a factory, whose device is Python's to find)
+    PyErr_Clear();
+    self.left_[2]++;
+    py::gil_scoped_release release;
+    return to_python(op, stack);
+  }
+  auto found = self.table_.find(key);
+  if (found == self.table_.end() || found->second.fn == nullptr) {
+    self.python_calls_++;
+    if (found != self.table_.end() && found->second.misses >= kMaxMisses) {
+      self.left_[3]++;
+      py::gil_scoped_release release;
+      return to_python(op, stack);
+    }
+    self.left_[4]++;
+    return learn(self, op, stack, std::vector<int64_t>(key), dyn);
+  }
+  PyObject* out = PyObject_Vectorcall(found->second.fn, dyn.items.data(), dyn.items.size(), nullptr);
+  if (out == nullptr) {  // an error: the Python kernel runs the call again and raises it as PyTorch would
+    PyErr_Clear();
+    py::gil_scoped_release release;
+    return to_python(op, stack);
+  }
+  torch::jit::drop(*stack, nargs);
+  bool pushed = push_outputs(op, out, device, stack);
+  Py_DECREF(out);
+  if (!pushed) throw py::error_already_set();
+  self.native_calls_++;
+  count_op(self);
+}
+
+// ------------------------------------------------------------------------- registration
+std::vector<NativeOp*>& registered_ops() {
+  static auto* ops = new std::vector<NativeOp*>();
+  return *ops;
+}
+
+}  // namespace
+
+void native_eager_setup(py::dict refs) {
+  Globals& g = G();
+  auto keep = [](py::handle h) {
+    PyObject* o = h.ptr();
+    Py_INCREF(o);
+    return o;
+  };
+  g.array_type = keep(refs["array_type"]);
+  g.laid_out_type = keep(refs["laid_out_type"]);
+  g.override_var = keep(refs["override_var"]);
+  g.execution_globals = keep(refs["execution_globals"]);
+  g.never = keep(refs["never"]);
+  g.bridge_globals = keep(refs["bridge_globals"]);
+  g.modes_globals = keep(refs["modes_globals"]);
+  g.precision_globals = keep(refs["precision_globals"]);
+  g.matmul_setting = keep(refs["matmul_setting"]);
+  g.scalar_fn = keep(refs["scalar"]);
+  g.host_scalar_fn = keep(refs["host_scalar"]);
+  g.op_counts = keep(refs["op_counts"]);
+  g.s_jax = PyUnicode_InternFromString("_jax");
+  g.s_dtype = PyUnicode_InternFromString("dtype");
+  g.s_shape = PyUnicode_InternFromString("shape");
+  g.s_capturing = PyUnicode_InternFromString("capturing");
+  g.s_tracing = PyUnicode_InternFromString("tracing");
+  g.s_default = PyUnicode_InternFromString("_default");
+  g.s_blocks = PyUnicode_InternFromString("_blocks");
+  g.s_learn = PyUnicode_InternFromString("learn");
+  g.s_last = PyUnicode_InternFromString("last");
+  for (auto item : py::list(refs["dtypes"])) {  // (torch dtype, jax dtype) pairs
+    auto pair = item.cast<py::tuple>();
+    auto st = reinterpret_cast<THPDtype*>(pair[0].ptr())->scalar_type;
+    PyObject* jax_dtype = keep(pair[1]);
+    g.from_jax[jax_dtype] = st;
+    g.to_jax[static_cast<int>(st)] = jax_dtype;
+  }
+}
+
+void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
+                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots) {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1,
+                                              __FILE__, __LINE__);
+  auto functor = std::make_unique<NativeOp>(std::move(kernel), std::move(kinds), std::move(triggers), dots,
+                                            metric);
+  registered_ops().push_back(functor.get());
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(functor)));
+  G().libraries.push_back(std::move(lib));
+}
+
+void native_eager_clear() {
+  registered_ops().clear();
+  G().libraries.clear();  // (their destructors deregister the kernels)
+}
+
+void native_eager_enable(bool on) { G().enabled = on; }
+
+bool native_eager_enabled() { return G().enabled; }
+
+int64_t native_reserve_address(int64_t nbytes) { return reserve_address(nbytes); }
+
+void native_set_next_address(int64_t next) {
+  int64_t current = G().next_address.load();
+  while (next > current && !G().next_address.compare_exchange_weak(current, next)) {
+  }
+}
+
+py::dict native_eager_stats() {
+  py::dict stats;
+  for (NativeOp* op : registered_ops()) {
+    stats[op->name_] = py::make_tuple(op->native_calls_, op->table_.size(), op->left_[0], op->left_[1],
+                                      op->left_[2], op->left_[3], op->left_[4]);
+  }
+  return stats;
+}
+
+}  // namespace torchtpu

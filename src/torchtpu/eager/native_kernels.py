@@ -1,0 +1,147 @@
+"""The native eager path: which ops run through the C++ kernel (``csrc/eager.cpp``), and its switch.
+
+An eligible op gets two kernels: the C++ one on ``tpu``'s key (PrivateUse1), and its Python
+kernel (``eager/dispatch.py``, the reference) on PrivateUse2, which the C++ kernel redispatches to
+for whatever it does not run itself: first calls (it learns each call signature's program from
+the Python kernel's run), the DEFER_AND_FUSE and capture modes, deferred or dtype-viewed storages,
+errors. See the C++ file's header for the per-call work.
+
+Eligible: a functional ``dispatch.Kernel`` whose arguments are tensors, numbers and static values
+(no tensor lists), returning one tensor or a tuple of them, whose program runs under ``jax.jit``
+(not data-dependent), draws no random numbers, has no device-side index checks and no factory
+``device`` argument, and whose PyTorch argument checks (``argument_errors.CHECKS``) look only at
+arguments with defaults (the C++ kernel leaves a call with a non-default one to Python).
+
+``TORCHTPU_NATIVE_EAGER=0`` (or ``set_enabled(False)``) sends every call to the Python kernels.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from jax._src.array import ArrayImpl
+
+from torchtpu import metrics
+from torchtpu.config import config
+from torchtpu.device import bridge
+from torchtpu.eager import argument_errors, dispatch, modes
+from torchtpu.ops import precision
+from torchtpu.runtime import execution, native
+from torchtpu.runtime.dtypes import TORCH_TO_JAX
+
+_KIND = {dispatch._TENSOR: 0, dispatch._SCALAR: 3, dispatch._STATIC: 4}
+_module = None  # the extension, once set up
+REGISTERED: list = []  # the ops with a native kernel
+
+
+def _setup():
+    """The extension with the native kernel's references set, or None (no extension)."""
+    global _module
+    if _module is not None:
+        return _module
+    module = native.load()
+    if module is None or not hasattr(module, "native_eager_setup"):
+        return None
+    module.native_eager_setup({
+        "array_type": ArrayImpl,
+        "laid_out_type": dispatch._LaidOut,
+        "override_var": execution._override,
+        "execution_globals": vars(execution),
+        "never": modes._AT_ONCE[modes.EagerMode.DEFER_NEVER],
+        "bridge_globals": vars(bridge),
+        "modes_globals": vars(modes),
+        "precision_globals": vars(precision),
+        "matmul_setting": precision._torch_setting,
+        "scalar": dispatch._scalar,
+        "host_scalar": dispatch._host_scalar,
+        "op_counts": metrics.ops,
+        "dtypes": [(t, np.dtype(j)) for t, j in TORCH_TO_JAX.items()],
+    })
+    bridge.use_native_addresses(module.native_reserve_address, module.native_set_next_address)
+    _module = module
+    return module
+
+
+def eligible(op, kernel) -> tuple | None:
+    """(argument kinds, trigger argument positions) if ``kernel`` can run natively, else None."""
+    if type(kernel) is not dispatch.Kernel or op.namespace != "aten":
+        return None
+    low, sig = kernel.lowering, kernel.sig
+    if not low.jit or low.random or low.checked or low.mutates or sig.device_arg or sig.returns_list \
+            or sig.returns_none or sig.generator is not None:
+        return None
+    arguments = op._schema.arguments
+    kinds = []
+    for i, a in enumerate(arguments):
+        kind = sig.keyword.get(a.name) if a.kwarg_only else sig.positional[i]
+        if kind not in _KIND or a.is_out:
+            return None
+        kinds.append(_KIND[kind])
+    if not all(str(r.type) == "Tensor" for r in op._schema.returns):
+        return None
+    names = [a.name for a in arguments]
+    triggers = set()
+    for _, when in argument_errors.CHECKS.get(op._schema.name.split("::")[-1].rstrip("_"), ()):
+        if not when:
+            return None  # a check on every call: Python's
+        for name in when:
+            if name in names:
+                if not arguments[names.index(name)].has_default_value():
+                    return None
+                triggers.add(names.index(name))
+    return kinds, sorted(triggers)
+
+
+def install(lib_for, kernels: dict) -> set:
+    """Register the native kernel of every eligible op in ``kernels`` (their Python kernels go on
+    PrivateUse2 through ``lib_for(op)``); returns those ops. None are when the setting is off or
+    the extension is missing (then every op keeps its Python kernel on PrivateUse1)."""
+    if not config.native_eager:
+        return set()
+    module = _setup()
+    if module is None:
+        return set()
+    done = set()
+    for op, kernel in kernels.items():
+        found = eligible(op, kernel)
+        if found is None:
+            continue
+        kinds, triggers = found
+        name = op._schema.name.split("::")[1]
+        impl = name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+        lib_for(op).impl(impl, argument_errors.guarded(op, kernel), "PrivateUse2")
+        module.native_eager_register(op.namespace, impl, kernel.name, kernel, kinds, triggers, bool(kernel.dots))
+        done.add(op)
+    REGISTERED[:] = sorted(done, key=str)
+    module.native_eager_enable(True)
+    return done
+
+
+def uninstall() -> None:
+    if _module is not None:
+        _module.native_eager_clear()
+    REGISTERED.clear()
+
+
+def enabled() -> bool:
+    """Whether calls of the registered ops take the native path now."""
+    return _module is not None and _module.native_eager_enabled()
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the native path on or off for this process (off: every call runs its Python kernel)."""
+    if _module is None:
+        if on and config.native_eager:
+            warnings.warn("tpu: the native eager kernel is not available in this process (no C++ extension: "
+                          f"{native.unavailable_reason()}); ops run their Python kernels", stacklevel=2)
+        return
+    _module.native_eager_enable(bool(on))
+
+
+def stats() -> dict:
+    """{op name: (calls run natively, call signatures known, calls left to Python because of: the
+    mode or a capture, an argument PyTorch's checks look at, an argument the native walk does not
+    take, a signature given up on, learning a signature)}."""
+    return dict(_module.native_eager_stats()) if _module is not None else {}
