@@ -38,6 +38,8 @@ import weakref
 import torch
 from torch.utils.dlpack import DLDeviceType
 
+from torchtpu.runtime.compat import from_dlpack_capsule
+
 _installed: dict[str, object] = {}
 _CAPSULE = type(datetime.datetime_CAPI)  # types.CapsuleType (Python >= 3.13)
 
@@ -172,7 +174,7 @@ def _from_tpu_tensor(t: torch.Tensor, device, copy) -> torch.Tensor:
     if target != t.device and copy is False:
         raise ValueError(f"cannot move DLPack tensor from device {t.device} to {target} without copying. "
                          "Set copy=None or copy=True.")
-    alias = _resolve(torch._C._from_dlpack(_pytorch_capsule(t)))
+    alias = _resolve(from_dlpack_capsule(_pytorch_capsule(t)))
     if target != t.device:
         return alias.to(target)
     return alias.clone() if copy else alias
@@ -186,7 +188,7 @@ def from_dlpack(ext_tensor, *, device=None, copy=None) -> torch.Tensor:
     if type(ext_tensor) is _CAPSULE:
         if device is not None or copy is not None:  # PyTorch's own check
             return _installed["from_dlpack"](ext_tensor, device=device, copy=copy)
-        return _resolve(torch._C._from_dlpack(ext_tensor))
+        return _resolve(from_dlpack_capsule(ext_tensor))
     return _resolve(_installed["from_dlpack"](ext_tensor, device=device, copy=copy))
 
 
@@ -205,7 +207,7 @@ def asarray(obj, *args, **kwargs):
             kwargs["device"] = torch.device("tpu", torch.tpu.current_device())
     if type(obj) is _CAPSULE:
         try:
-            imported = torch._C._from_dlpack(obj)
+            imported = from_dlpack_capsule(obj)
         except Exception:  # not a live DLPack capsule: PyTorch's own handling and error
             imported = None
         if imported is not None:

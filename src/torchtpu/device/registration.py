@@ -18,13 +18,15 @@ import torch
 from torchtpu.config import config
 from torchtpu.device import autocast, serialization
 from torchtpu.runtime import state
+from torchtpu.runtime.compat import DeviceGuard, DeviceType, PrivateUse1Hooks, privateuse1_backend_name
+from torchtpu.runtime.compat import register_device_module, register_privateuse1_device_guard, register_privateuse1_hooks
 
 _done = False
 _libs: list[torch.library.Library] = []
 _handler: Callable | None = None
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
+class _Hooks(PrivateUse1Hooks):
     """The Python hooks, used only where the C++ hooks (``runtime/native.py``) cannot be built."""
 
     def is_available(self) -> bool:
@@ -37,9 +39,9 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
-class _Guard(torch._C._acc.DeviceGuard):
+class _Guard(DeviceGuard):
     def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+        return DeviceType.PrivateUse1
 
 
 def set_fallback(handler: Callable | None) -> None:
@@ -90,7 +92,7 @@ def _register_hooks() -> bool:
                   "pin_memory(), pinned DataLoaders, torch.Generator('tpu'), UntypedStorage.resize_ "
                   "(FSDP2) and torch.accelerator's memory statistics and synchronize() will not work on "
                   "tpu", RuntimeWarning, stacklevel=2)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    register_privateuse1_hooks(_Hooks())
     return False
 
 
@@ -99,7 +101,7 @@ def register(module) -> None:
     global _done
     if _done:
         return
-    name = torch._C._get_privateuse1_backend_name()
+    name = privateuse1_backend_name()
     if name not in ("privateuseone", "tpu"):
         raise RuntimeError(f"PrivateUse1 is already taken by '{name}'; torchtpu cannot also register the "
                            "'tpu' device in this process")
@@ -107,9 +109,9 @@ def register(module) -> None:
         # torch.utils.backend_registration._setup_privateuseone_for_python_backend, with our hooks
         torch.utils.rename_privateuse1_backend("tpu")
         torch.utils.generate_methods_for_privateuse1_backend()
-        torch._register_device_module("tpu", module)
+        register_device_module("tpu", module)
         if not _register_hooks():  # the C++ hooks bring their own guard
-            torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+            register_privateuse1_device_guard(_Guard())
     autocast.install()  # torch.autocast("tpu"): PyTorch's CUDA policy (C++), bfloat16 by default
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_has_compatible_shallow_copy_type", _has_compatible_shallow_copy_type, "PrivateUse1")

@@ -25,8 +25,8 @@ import sys
 import warnings
 
 import torch
-from torch.utils import _pytree as pytree
 
+from torchtpu.runtime.compat import pytree
 from torchtpu.runtime.dtypes import UnsupportedDtype
 
 # What JAX (and jnp helpers) raise for arguments they refuse while tracing.

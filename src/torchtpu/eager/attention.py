@@ -26,15 +26,16 @@ from torch.nn.attention import SDPBackend
 from torchtpu.eager import dispatch
 from torchtpu.ops import registry
 from torchtpu.ops.registry import Lowering
+from torchtpu.runtime.compat import overrideable_sdp_enabled, sdp_priority_order
 
 aten = torch.ops.aten
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ENABLED = {
-    SDPBackend.MATH: torch._C._get_math_sdp_enabled,
-    SDPBackend.FLASH_ATTENTION: torch._C._get_flash_sdp_enabled,
-    SDPBackend.EFFICIENT_ATTENTION: torch._C._get_mem_efficient_sdp_enabled,
-    SDPBackend.CUDNN_ATTENTION: torch._C._get_cudnn_sdp_enabled,
-    SDPBackend.OVERRIDEABLE: torch._C._get_overrideable_sdp_enabled,
+    SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,  # (these four serve every device)
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+    SDPBackend.OVERRIDEABLE: overrideable_sdp_enabled,
 }
 _BY_VALUE = {b.value: b for b in _ENABLED}
 
@@ -64,7 +65,7 @@ def choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
            enable_gqa=False) -> SDPBackend:
     """The backend SDPA runs on these inputs: MATH or OVERRIDEABLE (what FLASH/EFFICIENT/CUDNN map to)."""
     fits = _fused_fits(query, key, value, attn_mask, enable_gqa)
-    for value_ in torch._C._get_sdp_priority_order():
+    for value_ in sdp_priority_order():
         backend = _BY_VALUE.get(value_)
         if backend is None or not _ENABLED[backend]():
             continue

@@ -24,7 +24,6 @@ import time
 import weakref
 
 import jax
-from jax._src.array import ArrayImpl
 import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -33,6 +32,7 @@ from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import fused, modes
 from torchtpu.runtime import errors, execution, rng
+from torchtpu.runtime.compat import ArrayImpl
 from torchtpu.runtime.execution import Execution, current
 
 _U32 = ((), np.dtype(np.uint32), False)

@@ -19,14 +19,13 @@ import warnings
 
 from jax.profiler import TraceAnnotation
 import torch
-from torch._decomp import decomposition_table
-from torch.utils._pytree import tree_map
 
 from torchtpu import metrics
 from torchtpu.config import config
 from torchtpu.device import bridge
 from torchtpu.eager import modes, transfer
 from torchtpu.runtime import state
+from torchtpu.runtime.compat import decomposition_table, pytree
 
 _active = threading.local()
 _warned: set[str] = set()
@@ -152,7 +151,7 @@ def _cpu_fallback(op, *args, **kwargs):
             return bridge.wrap(transfer.to_device(x, index), index)
         return x
 
-    cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
+    cpu_args, cpu_kwargs = pytree.tree_map(to_cpu, (args, kwargs))
     if device is None:
         device = _device_of(kwargs)
     if "device" in cpu_kwargs and cpu_kwargs["device"] is not None:
@@ -179,7 +178,7 @@ def _cpu_fallback(op, *args, **kwargs):
                     tensor.resize_(host.shape)
                 bridge.write(tensor, transfer.to_device(host, tensor.get_device()))
                 aliased[id(host)] = tensor
-    return tree_map(lambda x: aliased[id(x)] if id(x) in aliased else to_tpu(x), result)
+    return pytree.tree_map(lambda x: aliased[id(x)] if id(x) in aliased else to_tpu(x), result)
 
 
 def _device_of(kwargs) -> torch.device:

@@ -14,6 +14,7 @@ import torch
 
 from torchtpu.device import bridge
 from torchtpu.runtime import native, state
+from torchtpu.runtime.compat import set_conj, set_neg
 
 aten = torch.ops.aten
 
@@ -29,9 +30,9 @@ def make_view(base: torch.Tensor, size, stride, offset: int, dtype: torch.dtype 
         view = bridge._shell(dtype or base.dtype, base.get_device())
     bridge.restride(view, base.untyped_storage(), offset, size, stride)
     if base.is_conj():  # a view keeps its base's lazy conjugate/negation bits, as in PyTorch
-        torch._C._set_conj(view, True)
+        set_conj(view, True)
     if base.is_neg():
-        torch._C._set_neg(view, True)
+        set_neg(view, True)
     return view
 
 
@@ -41,9 +42,9 @@ def _geometry(op, shape, stride, offset, dtype, numel, bits, args, kwargs):
     storage of ``numel`` elements."""
     base = torch.empty(numel, dtype=dtype, device="meta").as_strided(shape, stride, offset)
     if bits[0]:
-        torch._C._set_conj(base, True)
+        set_conj(base, True)
     if bits[1]:
-        torch._C._set_neg(base, True)
+        set_neg(base, True)
     out = op(base, *args, **dict(kwargs))
     outs = out if isinstance(out, (list, tuple)) else (out,)
     return tuple((tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype) for o in outs), \
@@ -67,6 +68,7 @@ def view_kernel(op):
         return views if many else views[0]
 
     kernel.__name__ = str(op).replace(".", "_")
+    kernel.is_view = True  # (eager/native_kernels.py: the native path has its own view kernels)
     return kernel
 
 
