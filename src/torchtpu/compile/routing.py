@@ -2,15 +2,18 @@
 
 ``torch.compile(fn)`` with no backend uses dynamo's default backend, which we set to a router:
 a graph with ``tpu`` tensors goes to the ``tpu`` backend, any other to Inductor exactly as before.
-An explicit ``backend="inductor"`` given ``tpu`` tensors raises an error naming ``backend="tpu"``
-instead of failing deep inside Inductor's code generation. torch 2.11 and 2.12 cannot set the
-default backend, so there Inductor itself hands graphs on tpu to the ``tpu`` backend.
+An explicit ``backend="inductor"`` given ``tpu`` tensors compiles them with the ``tpu`` backend too,
+and logs one line saying so: libraries hard-code it (TorchTitan's ``--compile.enable``). torch 2.11
+and 2.12 cannot set the default backend, so there Inductor itself hands graphs on tpu to the
+``tpu`` backend (silently: the string cannot be told from torch.compile's default).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
+import logging
 import sys
 from typing import Any, Callable
 
@@ -64,21 +67,28 @@ def _default_settable() -> bool:
 def _guarded_inductor_call(original: Callable) -> Callable:
     def __call__(self, model_, inputs_):
         if on_tpu(model_, inputs_):
-            if not _default_settable():
-                # torch 2.11/2.12: torch.compile(fn) passes the string "inductor", which cannot be
-                # told from an explicit choice, so the router cannot be installed: tpu graphs that
-                # reach Inductor go to the tpu backend (without the XLA options: use backend="tpu").
-                from torchtpu.compile.backend import backend
+            # Inductor generates CPU/GPU kernels; a graph on tpu runs the tpu backend instead, with
+            # Inductor's own settings dropped. Libraries hard-code backend="inductor" (TorchTitan's
+            # --compile.enable), so refusing it would leave them eager. On torch 2.11/2.12 the string
+            # also arrives for torch.compile(fn), so only an explicit choice (2.13+) is logged.
+            from torchtpu.compile.backend import backend
 
-                return backend(model_, inputs_)
-            raise RuntimeError(
-                "torch.compile(backend=\"inductor\") cannot compile for the tpu device: Inductor "
-                "generates CPU/GPU kernels. Use torch.compile(fn, backend=\"tpu\"), or leave out "
-                "backend= (the default picks tpu for tpu tensors).")
+            if _default_settable():
+                _log_inductor_rerouted()
+            return backend(model_, inputs_, options=_without_inductor_options(getattr(self, "config", None)))
         return original(self, model_, inputs_)
 
     __call__.__wrapped__ = original
     return __call__
+
+
+@functools.cache
+def _log_inductor_rerouted() -> None:
+    """One line per process: an explicit ``backend="inductor"`` got a graph on tpu."""
+    logging.getLogger("torchtpu.compile").warning(
+        'torch.compile(backend="inductor") was given a graph on tpu: compiling it with the tpu '
+        'backend instead (Inductor generates CPU/GPU kernels; its settings are ignored). '
+        'backend="tpu" says so explicitly and takes XLA options.')
 
 
 def set_default() -> bool:
@@ -102,8 +112,8 @@ def reset_default() -> None:
 
 
 def guard_inductor() -> bool:
-    """Patch ``inductor.tpu_guard``: Inductor given tpu tensors raises an error that names the tpu
-    backend (on torch 2.11/2.12: hands the graph to it)."""
+    """Patch ``inductor.tpu_guard``: Inductor given tpu tensors hands the graph to the tpu backend
+    (logging one line where the choice was explicit, torch >= 2.13)."""
     wrapper = torch._TorchCompileInductorWrapper
     if not hasattr(wrapper.__call__, "__wrapped__"):
         wrapper.__call__ = _guarded_inductor_call(wrapper.__call__)
