@@ -33,12 +33,15 @@ __version__ = "0.1.0"
 
 
 def _start_layers() -> None:
-    """What starting the runtime adds above it: the eager kernels and the compile caches."""
+    """What starting the runtime adds above it: the eager kernels, the compile caches, and
+    TorchTitan's peak FLOP/s where TorchTitan is installed."""
+    from torchtpu import patches
     from torchtpu.compile import cache
     from torchtpu.eager import register
 
     cache.install()  # before anything compiles
     register.install()
+    patches.apply("torchtitan.peak_flops")  # where TorchTitan is installed
 
 
 _register(_tpu_module.build())

@@ -116,6 +116,14 @@ TABLE: tuple[Patch, ...] = (
           "dispatch, with no plugin point: the replacement lets tpu tensors through and calls the "
           "original for every other device.",
           "torch >= 2.11", FIRST_USE, "torchtpu.flex_attention:allow_tpu", "torchtpu.flex_attention:disallow_tpu"),
+    Patch("torchtitan.peak_flops", ("torchtitan.tools.utils.get_peak_flops",),
+          "TorchTitan's MFU divides by get_peak_flops(device name), a table of GPU/TPU names that misses "
+          "PJRT's TPU names (TPU v5 lite, TPU v5, TPU v6 lite, TPU7x) and has no XLA:CPU figure (it falls "
+          "back to an A100's). For device type tpu the wrapper answers get_device_properties().peak_flops "
+          "(runtime/chips.py; XLA:CPU measured), and TorchTitan's own answer otherwise. TorchTitan has no "
+          "hook for a device's peak. Applied only where TorchTitan is installed (at its utils' import).",
+          "torchtitan 0.3", FIRST_USE, "torchtpu.integrations.torchtitan:use_device_peak",
+          "torchtpu.integrations.torchtitan:restore_peak"),
     Patch("multiprocess.excepthook", ("sys.excepthook", "atexit"),
           "A rank whose program raised exits without JAX's exit-time shutdown barrier (it would wait "
           "for ranks that will not come): the hook prints the traceback as before, then unregisters "

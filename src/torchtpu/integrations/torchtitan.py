@@ -1,9 +1,17 @@
-"""TorchTitan on ``tpu``: the debug assets its configs expect, written without a git checkout.
+"""TorchTitan on ``tpu``: the peak its MFU is measured against, and the debug assets its configs
+expect, written without a git checkout.
 
 TorchTitan (0.3) picks its device once, at import, with
 ``torch._utils._get_available_device_type()``. With torchtpu installed that answers ``tpu``
 (PyTorch's device autoload registers it), so ``torchrun -m torchtitan.train`` trains on ``tpu``
-unchanged: nothing here patches TorchTitan.
+unchanged. One function of it is wrapped (``torchtpu.patches``: ``torchtitan.peak_flops``):
+``torchtitan.tools.utils.get_peak_flops`` finds a device's peak FLOP/s by matching its name
+against a table of GPUs and TPUs, which misses the names PJRT gives v5e, v5p, v6e and TPU7x
+(``TPU v5 lite``, ...) and has no figure for XLA:CPU (it falls back to an A100's), so its MFU
+was wrong. For a ``tpu`` device the wrapper answers ``torch.tpu.get_device_properties().peak_flops``
+(the chip's published peak, or XLA:CPU's measured matmul rate) and logs where it comes from;
+every other device gets TorchTitan's own answer. ``--compile.enable`` needs nothing here: its
+``backend="inductor"`` compiles graphs on tpu with the tpu backend (``torchtpu.compile.routing``).
 
 What a pip install lacks is the data: the debug configs read ``./tests/assets/tokenizer`` and
 the ``c4_test`` dataset from a TorchTitan git checkout, and the wheel ships neither.
@@ -16,9 +24,15 @@ must run in a process without torchtpu, which this package cannot be imported wi
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
+import logging
 import random
+import sys
 from pathlib import Path
+
+_UTILS = "torchtitan.tools.utils"
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -81,6 +95,54 @@ def write_debug_assets(root: str | Path, documents: int = 200, seed: int = 0) ->
         for text in _documents(documents, seed):
             f.write(json.dumps({"text": text}) + "\n")
     return {"hf_assets_path": str(tokenizer_dir), "dataset_path": str(dataset_dir)}
+
+
+def use_device_peak() -> bool:
+    """Patch ``torchtitan.peak_flops`` (at the first tpu use): now if TorchTitan's utils are
+    imported, else when they are; False where TorchTitan is not installed."""
+    from torchtpu.compile import routing
+
+    if _UTILS not in sys.modules and importlib.util.find_spec("torchtitan") is None:
+        return False
+    routing.after_import(_UTILS, _wrap_get_peak_flops)
+    return True
+
+
+def restore_peak() -> None:
+    from torchtpu.compile import routing
+
+    routing.cancel_after_import(_UTILS)
+    utils = sys.modules.get(_UTILS)
+    original = getattr(getattr(utils, "get_peak_flops", None), "__wrapped__", None)
+    if original is not None:
+        utils.get_peak_flops = original
+
+
+def _wrap_get_peak_flops() -> None:
+    utils = sys.modules[_UTILS]
+    original = utils.get_peak_flops
+    if hasattr(original, "__wrapped__"):
+        return
+
+    @functools.wraps(original)
+    def get_peak_flops(device_name: str) -> float:
+        if getattr(utils, "device_type", None) != "tpu":
+            return original(device_name)
+        import torch
+
+        props = torch.tpu.get_device_properties()
+        if props.peak_flops is None:  # an accelerator the table lacks: TorchTitan's own guess
+            return original(device_name)
+        _log_peak(props.name, props.peak_flops, props.peak_flops_source)
+        return props.peak_flops
+
+    utils.get_peak_flops = get_peak_flops
+
+
+@functools.cache
+def _log_peak(name: str, peak: float, source: str) -> None:
+    logging.getLogger("torchtpu").info("MFU is measured against %s's peak of %.3e FLOP/s (%s)",
+                                          name, peak, source)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -107,6 +107,17 @@ class DeviceProperties:
     index: int
     total_memory: int
 
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of this device, what MFU is measured against (``peak_flops_source`` says
+        where it comes from): a TPU's or GPU's published dense bf16 peak, XLA:CPU's measured
+        float32 matmul rate, or ``TORCHTPU_PEAK_FLOPS``; None for an accelerator the table lacks."""
+        return peak_flops(self.index)[0]
+
+    @property
+    def peak_flops_source(self) -> str:
+        return peak_flops(self.index)[1]
+
 
 def device_properties(index: int) -> DeviceProperties:
     """What backs ``tpu:index``: its name, platform, kind and memory (``total_memory``)."""
@@ -114,3 +125,46 @@ def device_properties(index: int) -> DeviceProperties:
     return DeviceProperties(name=device_name(index), platform=dev.platform,
                             device_kind=getattr(dev, "device_kind", dev.platform), index=index,
                             total_memory=total_memory(index))
+
+
+PEAK_FLOPS_ENV = "TORCHTPU_PEAK_FLOPS"
+
+
+@functools.cache
+def peak_flops(index: int) -> tuple[float | None, str]:
+    """(peak FLOP/s, where the figure comes from) of ``tpu:index``. ``TORCHTPU_PEAK_FLOPS``
+    overrides the table (a chip it lacks); XLA:CPU is measured once per process."""
+    from torchtpu.runtime import chips
+
+    if os.environ.get(PEAK_FLOPS_ENV):
+        return float(os.environ[PEAK_FLOPS_ENV]), f"{PEAK_FLOPS_ENV}"
+    dev = jax_device(index)
+    kind = getattr(dev, "device_kind", "")
+    if dev.platform == "tpu":
+        peak = chips.tpu_peak_flops(kind, getattr(dev, "num_cores", None))
+        chip = chips.TPU_CHIPS.get(kind)
+        return peak, (f"published bf16 peak of TPU {chip.name} ({chip.source})" if chip else
+                      f"unknown TPU {kind!r}: set {PEAK_FLOPS_ENV}")
+    if dev.platform == "cpu":
+        return measured_matmul_flops(dev), "measured: XLA:CPU float32 matmul, 1024x1024, best of 10"
+    peak = chips.gpu_peak_flops(kind)
+    return peak, (f"published dense bf16 peak of {kind}" if peak else
+                  f"unknown accelerator {kind!r}: set {PEAK_FLOPS_ENV}")
+
+
+def measured_matmul_flops(dev: jax.Device, n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of the fastest of ``repeats`` float32 ``n x n`` matmuls on ``dev``: the host's
+    matmul peak as XLA:CPU reaches it (the fastest run, so other load on the host shows less)."""
+    import time
+
+    import jax.numpy as jnp
+
+    a = jax.device_put(jnp.linspace(-1.0, 1.0, n * n, dtype=jnp.float32).reshape(n, n), dev)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()  # compile and warm
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
