@@ -98,10 +98,11 @@ TABLE: tuple[Patch, ...] = (
           "tpu tensors. No public API: trace_rules.add is dynamo's own.",
           "all", FIRST_USE, "torchtpu.compile:skip_eager_layers", "torchtpu.compile:trace_eager_layers"),
     Patch("inductor.tpu_guard", ("torch._TorchCompileInductorWrapper.__call__",),
-          "A graph on tpu given to Inductor raises an error naming backend='tpu' instead of failing in "
-          "Inductor's code generation; on torch 2.11/2.12 (no settable default backend, so "
-          "torch.compile(fn) cannot be told from backend='inductor') it compiles for tpu instead. "
-          "PyTorch has no hook for a backend refusing a device: the wrapper's __call__ is wrapped, "
+          "A graph on tpu given to Inductor is compiled by the tpu backend instead of failing in "
+          "Inductor's code generation (libraries hard-code backend='inductor': TorchTitan's "
+          "--compile.enable), with one log line where the choice was explicit (torch >= 2.13; on "
+          "2.11/2.12 torch.compile(fn) cannot be told from backend='inductor', so silently). "
+          "PyTorch has no hook for a backend handing one device's graphs to another: the wrapper's __call__ is wrapped, "
           "and calls the original for every graph not on tpu.",
           "all", FIRST_USE, "torchtpu.compile.routing:guard_inductor", "torchtpu.compile.routing:unguard_inductor"),
     Patch("flex_attention.kernels",
