@@ -26,12 +26,17 @@ def _is_inplace(op: OpOverload) -> bool:
 def _variants(op: OpOverload):
     """The in-place overload and the out= overloads that compute the same thing as ``op``."""
     name = op._schema.name.split("::")[1]
-    overload = op._overloadname
-    inplace_packet = getattr(aten, name + "_", None)
-    if inplace_packet is not None and overload in inplace_packet.overloads():
-        yield "inplace", getattr(inplace_packet, overload)
-    packet = getattr(aten, name)
     inputs = [(a.name, str(a.type)) for a in op._schema.arguments]
+    inplace_packet = getattr(aten, name + "_", None)
+    if inplace_packet is not None:
+        # the in-place overload with the same arguments, whatever its name: pow_.Scalar is
+        # pow.Tensor_Scalar's (Tensor self, Scalar exponent), not pow.Scalar's (Scalar self, ...)
+        for other in inplace_packet.overloads():
+            candidate = getattr(inplace_packet, other)
+            if [(a.name, str(a.type)) for a in candidate._schema.arguments] == inputs:
+                yield "inplace", candidate
+                break
+    packet = getattr(aten, name)
     for other in packet.overloads():
         candidate = getattr(packet, other)
         schema = candidate._schema
