@@ -14,6 +14,7 @@ never through shared device memory).
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from types import ModuleType
@@ -95,7 +96,10 @@ class PlatformTPU(PlatformBase):
         return RAY_RESOURCE
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        return {"resources": {RAY_RESOURCE: num_gpus}}
+        """Whole chips: Ray accepts ``TPU`` only in counts of 1, 2, 4 or 8 per actor, while VeRL asks
+        for ``1 / max_colocate_count`` of a device per worker. A fraction becomes one chip, so one
+        VeRL worker holds each placement-group bundle (as FSDP's fused actor-rollout-ref worker does)."""
+        return {"resources": {RAY_RESOURCE: max(1, math.ceil(num_gpus))}}
 
     def ray_noset_envvars(self) -> list[str]:
         return [f"RAY_EXPERIMENTAL_NOSET_{VISIBLE_DEVICES_VARIABLE}"]
