@@ -41,6 +41,8 @@ class Chip:
     torus_dims: int
     """Dimensions of the ICI torus (2 for v5e/v6e, 3 for v4/v5p/TPU7x)."""
     source: str
+    devices: int = 1
+    """PJRT devices (ranks) per chip: 2 on TPU7x (a device per TensorCore), else 1."""
 
 
 # PJRT device_kind -> figures. v5e's DCN is its pod figure (6.4 Tbps over 256 chips); v4's
@@ -55,7 +57,7 @@ TPU_CHIPS: dict[str, Chip] = {
     "TPU v6 lite": Chip("v6e", 918e12, 1, 32 * GIB, 1638 * GB, 800 * GB, 100e9 / 8, 256, 2,
                         "https://cloud.google.com/tpu/docs/tpu7x (table with v5p, v6e)"),
     "TPU7x": Chip("v7x", 2307e12, 2, 192 * GIB, 7380 * GB, 1200 * GB, 100e9 / 8, 9216, 3,
-                  "https://cloud.google.com/tpu/docs/tpu7x"),
+                  "https://cloud.google.com/tpu/docs/tpu7x", devices=2),
 }
 TPU_CHIPS["TPU v5e"] = TPU_CHIPS["TPU v5 lite"]
 TPU_CHIPS["TPU v5p"] = TPU_CHIPS["TPU v5"]
