@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -125,25 +123,13 @@ def trl_part(model_dir: Path, work: Path, steps: int) -> dict:
 
 # --------------------------------------------------------------------------------------- VeRL
 
-METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan)")
-
-
-def verl_metrics(log: str) -> list[dict[str, float]]:
-    """VeRL's console lines (``step:N - key:value - ...``), one dict per step."""
-    steps = []
-    for line in log.splitlines():
-        if "step:" in line and "timing_s/" in line:
-            steps.append({k: float(v) for k, v in METRIC.findall(line)})
-    return steps
-
-
 def verl_part(model_dir: Path, work: Path, steps: int, timeout: float = 1800) -> dict:
     from torchtpu.integrations.verl import recipe
 
     cmd = recipe.command(model_dir, work / "verl", steps, toy=True)
-    out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=timeout, check=False)
     (work / "verl.log").write_text(out.stdout + out.stderr)
-    metrics = verl_metrics(out.stdout)
+    metrics = recipe.step_metrics(out.stdout)
     if out.returncode != 0 or not metrics:
         raise SystemExit(f"VeRL's recipe failed (exit {out.returncode}); its log: {work / 'verl.log'}\n"
                          + (out.stdout + out.stderr)[-3000:])

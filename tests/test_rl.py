@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +29,10 @@ verl = pytest.importorskip("verl", reason=REASON)
 trl = pytest.importorskip("trl", reason=REASON)
 pytest.importorskip("vllm", reason=REASON)
 
-from serving_fixtures import model_dir  # noqa: E402,F401  (fixture)
+from serving_fixtures import model_dir  # noqa: F401  (fixture)
 
-from torchtpu.integrations import trl_grpo  # noqa: E402
-from torchtpu.integrations.verl import names, toy_task  # noqa: E402
+from torchtpu.integrations import trl_grpo
+from torchtpu.integrations.verl import names, toy_task
 
 
 def _fresh_verl(code: str, **env) -> dict:
@@ -40,7 +41,7 @@ def _fresh_verl(code: str, **env) -> dict:
     for key, value in env.items():
         if value is None:
             full_env.pop(key)
-    out = subprocess.run([sys.executable, "-c", "import verl\n" + textwrap.dedent(code)], env=full_env,
+    out = subprocess.run([sys.executable, "-c", "import verl\n" + textwrap.dedent(code)], env=full_env, check=False,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -162,6 +163,38 @@ def test_checkpoint_engine_moves_tpu_weights_to_every_receiver():
             model[1].weight.add_(1.0)  # a training step's change: the next sync carries it
 
 
+def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):  # noqa: F811
+    """The recipe's overrides compose with VeRL's own ``ppo_trainer`` config and pass VeRL's
+    validation, and say what the recipe promises: GRPO with n > 1, FSDP2 on tpu, a vLLM server
+    rollout on its own device, no hybrid engine, a weight sync after every step through the
+    ``tpu`` checkpoint engine, which VeRL's import of ``custom_backend_module`` registers."""
+    from hydra import compose, initialize_config_module
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.import_utils import import_external_libs
+
+    from torchtpu.integrations.verl import recipe
+
+    lines = recipe.step_metrics("step:2 - timing_s/gen:1.5 - critic/score/mean:0.25 - x/nan:nan")
+    assert lines[0]["timing_s/gen"] == 1.5 and lines[0]["step"] == 2 and lines[0]["critic/score/mean"] == 0.25
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        config = compose("ppo_trainer", overrides=recipe.overrides(model_dir, tmp_path, steps=3))
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    aro = config.actor_rollout_ref
+    assert config.algorithm.adv_estimator == "grpo" and aro.rollout.n > 1
+    assert aro.hybrid_engine is False and config.trainer.v1.trainer_mode == "separate_async"
+    assert config.trainer.v1.separate_async.parameter_sync_step == 1
+    assert config.data.train_batch_size == aro.actor.ppo_mini_batch_size  # so: one sync per step
+    assert aro.actor.strategy == "fsdp2" and config.trainer.device == "tpu"
+    assert aro.rollout.name == "vllm" and aro.rollout.mode == "async" and aro.rollout.n_gpus_per_node == 1
+    assert dict(config.ray_kwargs.ray_init.resources)["TPU"] == 2
+    engine = aro.rollout.checkpoint_engine
+    import_external_libs(engine.custom_backend_module)
+    assert CheckpointEngineRegistry.get(engine.backend).__module__ == recipe.CHECKPOINT_ENGINE_MODULE
+    assert Path(config.data.train_files).exists()
+
+
 def test_trl_grpo_loss_and_gradients_match_cpu(tmp_path, model_dir):  # noqa: F811
     """TRL's trainer on ``tpu`` generates and scores a batch (Transformers ``generate`` on tpu);
     TRL's GRPO loss of that batch and its gradients equal the same computation on CPU."""
@@ -207,3 +240,27 @@ def test_trl_grpo_learns_the_toy_task(tmp_path, model_dir):  # noqa: F811
     print("mean reward per step:", [round(r, 3) for r in run.rewards])
     assert sum(run.rewards[:3]) / 3 < 0.4
     assert max(run.rewards[-5:]) >= 0.8 and sum(run.rewards[-5:]) / 5 >= 0.7
+
+
+@pytest.mark.slow
+def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: F811
+    """VeRL's recipe for 3 steps, the FSDP2 actor and the vLLM rollout on separate ``tpu``
+    devices under Ray, a weight sync after each step: every step is logged, the actor's
+    recomputed probabilities of the rollout's tokens match the rollout engine's (VeRL's
+    ``training/rollout_probs_diff_mean``; float32 on both sides), and the sync ran each step.
+
+    NOT YET SEEN PASSING: on the 2-core, 24 GiB development machine shared with other work the
+    run did not get past Ray's start (its 30 s raylet timeout at load 44) and its out-of-memory
+    monitor (about 10 processes of ~1 GB each: VeRL's task runner, TransferQueue, the actor, the
+    rollout worker, vLLM's server, engine core and worker, the reward and agent-loop workers)."""
+    from torchtpu.integrations.verl import recipe
+
+    cmd = recipe.command(model_dir, tmp_path, 3)
+    out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=2400, check=False)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    steps = recipe.step_metrics(out.stdout)
+    assert [int(m["step"]) for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["training/rollout_probs_diff_valid"] == 1
+        assert m["training/rollout_probs_diff_mean"] <= 1e-3, m
+        assert m["timing_s/update_weights"] > 0

@@ -22,8 +22,8 @@ import asyncio
 import logging
 import pickle
 import time
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass
-from typing import AsyncGenerator, Generator
 
 import ray
 import torch

@@ -18,7 +18,7 @@ import math
 import os
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
@@ -66,7 +66,7 @@ class PlatformTPU(PlatformBase):
     def set_device(self, device_index: int) -> None:
         torch.tpu.set_device(device_index)
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         torch.tpu.synchronize(device_index)
 
     def manual_seed(self, seed: int) -> None:
@@ -82,7 +82,7 @@ class PlatformTPU(PlatformBase):
     def empty_cache(self) -> None:
         torch.tpu.empty_cache()
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         # No CUDA compute capability: VeRL reads (None, None) as "not a CUDA device"
         return None, None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,8 +75,8 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
         # VeRL 0.9.1's ResourcePoolManager._check_resource_available counts only Ray's "GPU" or "NPU"
         # resources (not the platform's ray_resource_name(), which its placement groups do use): the
         # same count under "NPU" lets that check see the chips; nothing asks for NPU.
-        f"+ray_kwargs.ray_init.resources={{{names.RAY_RESOURCE}:{actor_devices + rollout_devices},"
-        f"NPU:{actor_devices + rollout_devices}}}",
+        (f"+ray_kwargs.ray_init.resources={{{names.RAY_RESOURCE}:{actor_devices + rollout_devices},"
+         f"NPU:{actor_devices + rollout_devices}}}"),
     ]
 
 
@@ -96,6 +97,15 @@ def environment() -> dict[str, str]:
 
 def command(model_dir, work_dir, steps: int = 3, extra: list[str] = (), **kwargs) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, work_dir, steps, **kwargs), *extra]
+
+
+_METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan)")
+
+
+def step_metrics(console_log: str) -> list[dict[str, float]]:
+    """VeRL's console-logger lines (``step:N - key:value - ...``), one dict per training step."""
+    return [{k: float(v) for k, v in _METRIC.findall(line)} for line in console_log.splitlines()
+            if "step:" in line and "timing_s/" in line]
 
 
 def main() -> None:
