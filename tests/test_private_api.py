@@ -42,25 +42,6 @@ NOT_MIGRATED_YET = {
     "integrations/sglang/parallel.py": 2,  # torch.distributed._functional_collectives
     "integrations/vllm/compiler.py": 1,  # torch._functorch.config
     "tpu_module.py": 1,  # torch._disable_dynamo
-    # moved by the commits that follow this one
-    "cli.py": 1,
-    "compile/__init__.py": 3,
-    "compile/backend.py": 3,
-    "compile/cache.py": 4,
-    "compile/collectives.py": 3,
-    "compile/decompositions.py": 2,
-    "compile/executable.py": 1,
-    "compile/flex_attention.py": 3,
-    "compile/graph.py": 3,
-    "compile/graph_code.py": 5,
-    "compile/introspect.py": 2,
-    "compile/recompiles.py": 1,
-    "compile/warm.py": 4,
-    "debug.py": 5,
-    "export.py": 5,
-    "flex_attention.py": 2,
-    "graphs.py": 5,
-    "jax_ops.py": 1,
 }
 
 
@@ -224,3 +205,41 @@ def test_import_torch_resolves_nothing_costly():
                          env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_set_storage_below_backend_sets_storage_sizes_and_strides():
+    storage = torch.arange(6.0).untyped_storage()
+    t = torch.empty(0)
+    cpu = compat.DispatchKeySet(compat.DispatchKey.CPU)
+    compat.set_storage_below_backend(cpu, t, storage, 1, [2, 2], [2, 1])
+    assert t.untyped_storage().data_ptr() == storage.data_ptr()
+    assert t.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_new_capsule_makes_a_dlpack_capsule_torch_imports():
+    """``new_capsule``: a capsule of a hand-built DLManagedTensor (here a CPU one over 3 floats)."""
+    import ctypes
+
+    class Device(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+    class DataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", Device), ("ndim", ctypes.c_int), ("dtype", DataType),
+                    ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                    ("byte_offset", ctypes.c_uint64)]
+
+    class Managed(ctypes.Structure):
+        _fields_ = [("dl_tensor", Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    data, shape = (ctypes.c_float * 3)(1.0, 2.0, 3.0), (ctypes.c_int64 * 1)(3)
+    managed = Managed()
+    managed.dl_tensor.data = ctypes.addressof(data)
+    managed.dl_tensor.device = Device(1, 0)  # kDLCPU
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = DataType(2, 32, 1)  # float32
+    managed.dl_tensor.shape = shape
+    t = torch.from_dlpack(compat.new_capsule(ctypes.addressof(managed), b"dltensor", None))
+    assert t.tolist() == [1.0, 2.0, 3.0] and t.data_ptr() == ctypes.addressof(data)

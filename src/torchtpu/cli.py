@@ -229,7 +229,7 @@ def check_compile() -> str:
     from torchtpu.demo import compile_backend
 
     compile_backend(torch.device("tpu"))
-    if "tpu" not in torch._dynamo.list_backends():
+    if "tpu" not in torch.compiler.list_backends():
         raise Problem("the torch.compile backend 'tpu' is not registered",
                       "this torchtpu build has no compile backend; use eager mode")
     x, w = _inputs()

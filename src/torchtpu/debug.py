@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from torchtpu.runtime.compat import TorchDispatchMode, current_autograd_node, printoptions, pytree
 
 # rtol, atol per dtype: the defaults of torch.testing.assert_close
 _TOLERANCES = {
@@ -64,7 +64,7 @@ class Mismatch:
 
 def _summary(value) -> str:
     if isinstance(value, torch.Tensor):
-        with torch._tensor_str.printoptions(threshold=8, edgeitems=3, precision=6, linewidth=200):
+        with printoptions(threshold=8, edgeitems=3, precision=6, linewidth=200):
             body = str(value.detach().reshape(-1)).replace("\n", " ")
         return f"shape {tuple(value.shape)} {value.dtype}, flattened: {body}"
     return repr(value)
@@ -124,7 +124,7 @@ def _to_cpu(x):
 
 
 def _involves_tpu(args, kwargs) -> bool:
-    leaves, _ = tree_flatten((args, kwargs))
+    leaves, _ = pytree.tree_flatten((args, kwargs))
     return any(_is_tpu(x) or (isinstance(x, torch.device) and x.type == "tpu") for x in leaves)
 
 
@@ -166,7 +166,7 @@ class _ModuleStack:
             self.stack.pop()
 
     def current(self) -> str:
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is not None:
             return f"backward ({node.name()})"
         return self.stack[-1] if self.stack else ""
@@ -185,7 +185,7 @@ class _CompareMode(TorchDispatchMode):
         if self.mismatch is not None or not _checkable(func) or not _involves_tpu(args, kwargs):
             return func(*args, **kwargs)
         # copy inputs before the tpu op runs: in-place ops change them
-        cpu_args, cpu_kwargs = tree_map(_to_cpu, (args, kwargs))
+        cpu_args, cpu_kwargs = pytree.tree_map(_to_cpu, (args, kwargs))
         if isinstance(cpu_kwargs.get("device"), str):
             cpu_kwargs["device"] = "cpu"
         out = func(*args, **kwargs)
@@ -198,8 +198,8 @@ class _CompareMode(TorchDispatchMode):
         return out
 
     def _check(self, func, out, expected) -> None:
-        actual_leaves, _ = tree_flatten(out)
-        expected_leaves, _ = tree_flatten(expected)
+        actual_leaves, _ = pytree.tree_flatten(out)
+        expected_leaves, _ = pytree.tree_flatten(expected)
         if len(actual_leaves) != len(expected_leaves):
             self._record(func, 0, out, expected, {"reason": "different number of outputs"})
             return

@@ -28,16 +28,16 @@ import jax
 import numpy as np
 import sympy
 import torch
-from torch._ops import HigherOrderOperator, OpOverload
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as torch_pytree
 
 from torchtpu import export_runtime as runtime
 from torchtpu.compile import collectives, flex_attention
 from torchtpu.compile import graph as graph_lowering
 from torchtpu.ops import checks, precision, registry
 from torchtpu.runtime import platform as tpu_platform
+from torchtpu.runtime.compat import HigherOrderOperator, OpOverload
+from torchtpu.runtime.compat import pytree as torch_pytree
 from torchtpu.runtime.dtypes import to_jax_dtype
 
 aten = torch.ops.aten
@@ -132,7 +132,7 @@ def _dimension_names(placeholders: list[torch.fx.Node]) -> dict[sympy.Symbol, st
 
 
 def _constraints(ep: ExportedProgram, names: dict[sympy.Symbol, str]) -> list[str]:
-    from torch.utils._sympy.numbers import int_oo
+    from torchtpu.runtime.compat import sympy_int_oo as int_oo
 
     found = []
     for symbol, name in names.items():
@@ -148,7 +148,7 @@ def _constraints(ep: ExportedProgram, names: dict[sympy.Symbol, str]) -> list[st
 
 def _evaluate(expr, dims: dict):
     """A sympy size expression of torch.export as a jax.export dimension expression."""
-    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+    from torchtpu.runtime.compat import SympyFloorDiv as FloorDiv, SympyMod as Mod, SympyPythonMod as PythonMod
 
     if expr.is_Integer:
         return int(expr)

@@ -73,14 +73,14 @@ def _backward(*args, **kwargs):
 
 
 def _ops():
-    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+    from torchtpu.runtime import compat
 
-    return ((flex_attention, _forward), (flex_attention_backward, _backward))
+    return ((compat.flex_attention_hop, _forward), (compat.flex_attention_backward_hop, _backward))
 
 
 def register_kernels() -> bool:
     """Patch ``flex_attention.kernels``: the tpu (PrivateUse1) kernels of the two HOPs."""
-    from torch._C import DispatchKey
+    from torchtpu.runtime.compat import DispatchKey
 
     for op, kernel in _ops():
         if op.py_kernels.get(DispatchKey.PrivateUse1) is not kernel:
@@ -89,7 +89,7 @@ def register_kernels() -> bool:
 
 
 def unregister_kernels() -> None:
-    from torch._C import DispatchKey
+    from torchtpu.runtime.compat import DispatchKey
 
     for op, kernel in _ops():
         if op.py_kernels.get(DispatchKey.PrivateUse1) is kernel:

@@ -15,12 +15,11 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
-from jax._src.array import ArrayImpl
-from torch.utils import _pytree as pytree
 
 from torchtpu import metrics
 from torchtpu.device import bridge
 from torchtpu.eager import capture as _capture
+from torchtpu.runtime.compat import ArrayImpl, pytree
 
 CaptureError = _capture.CaptureError
 

@@ -31,7 +31,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import torch
-from torch._library.infer_schema import infer_schema
 
 from torchtpu import caches
 from torchtpu.eager import register
@@ -59,7 +58,7 @@ def _auto_name(fn: Callable) -> str:
 
 def _schema(fn: Callable, name: str) -> str:
     try:
-        return infer_schema(fn, mutates_args=())
+        return torch.library.infer_schema(fn, mutates_args=())
     except ValueError as e:
         raise ValueError(f"torchtpu.jax_op({name!r}): cannot infer the op's schema from {fn.__qualname__}'s type "
                          f"hints: {e}. Annotate every parameter (torch.Tensor, Optional[torch.Tensor], int, "

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from torchtpu import patches
 from torchtpu.compile import routing
+from torchtpu.runtime import compat
 
 _installed = False
 
@@ -65,8 +66,7 @@ def skip_eager_layers() -> bool:
     layers: user-facing code in torchtpu (the demo's model) stays traceable. (ml_dtypes: jax calls
     into it while compiling an eager kernel after a graph break.)
     """
-    from torch._dynamo import trace_rules
-
+    trace_rules = compat.dynamo_trace_rules
     before = len(trace_rules.SKIP_DIRS)
     for package in _EAGER_LAYERS:
         trace_rules.add(package)
@@ -76,31 +76,26 @@ def skip_eager_layers() -> bool:
 
 def trace_eager_layers() -> None:
     """Undo ``skip_eager_layers``."""
-    from torch._dynamo import trace_rules
-
+    skip_dirs = compat.dynamo_trace_rules.SKIP_DIRS
     for directory in _skipped:
-        if directory in trace_rules.SKIP_DIRS:
-            trace_rules.SKIP_DIRS.remove(directory)
+        if directory in skip_dirs:
+            skip_dirs.remove(directory)
     _skipped.clear()
-    trace_rules._recompile_re()
+    compat.recompile_skip_dirs()
 
 
 def register_backend() -> bool:
     """Patch ``dynamo.tpu_backend``: ``torch.compile(fn, backend="tpu")``."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend as register
-
-    if "tpu" in _COMPILER_FNS:
-        return _COMPILER_FNS["tpu"] is backend
-    register(backend, name="tpu")
+    if "tpu" in compat.COMPILER_FNS:
+        return compat.COMPILER_FNS["tpu"] is backend
+    compat.dynamo_backends.register_backend(backend, name="tpu")
     return True
 
 
 def unregister_backend() -> None:
-    from torch._dynamo.backends import registry
-
-    if registry._COMPILER_FNS.get("tpu") is backend:
-        del registry._COMPILER_FNS["tpu"]
-        registry._BACKENDS.pop("tpu", None)
+    if compat.COMPILER_FNS.get("tpu") is backend:
+        del compat.COMPILER_FNS["tpu"]
+        compat.BACKENDS.pop("tpu", None)
 
 
 def _on_dynamo_import() -> None:

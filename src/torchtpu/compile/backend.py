@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import GraphModule
 
 from torchtpu.compile import warm
@@ -22,6 +19,7 @@ from torchtpu.compile.cache import compiler_options
 from torchtpu.compile.decompositions import decompositions
 from torchtpu.compile.executable import build_graph
 from torchtpu.compile.graph_code import GraphCode
+from torchtpu.runtime.compat import SerializableAOTDispatchCompiler, aot_autograd, min_cut_rematerialization_partition
 
 # torch.compile's ``mode`` tunes Inductor; XLA has no equivalent, so they are accepted and ignored.
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

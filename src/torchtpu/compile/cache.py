@@ -54,12 +54,11 @@ from typing import Any, Iterator
 
 import filelock
 import jax
-from jax._src import compilation_cache as _jax_cache
-from jax._src import config as _jax_config
-from jax._src import lru_cache as _jax_lru
 
 from torchtpu import metrics
 from torchtpu.config import config
+from torchtpu.runtime.compat import JAX_ATIME_SUFFIX, JAX_CACHE_SUFFIX, JaxLRUCache
+from torchtpu.runtime.compat import jax_compilation_cache as _jax_cache, jax_config as _jax_config
 
 # JAX's monitoring events for its persistent cache (jax/_src/compiler.py).
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -255,7 +254,7 @@ _LOCK_TIMEOUT = 60  # seconds; a measurement (the lock held) takes about 0.2 s p
 _STALE_TMP_SECONDS = 600  # a temporary entry this old was left by a writer that was killed
 
 
-class SharedDiskCache(_jax_lru.LRUCache):
+class SharedDiskCache(JaxLRUCache):
     """JAX's LRU file cache, safe and cheap for processes that share its directory.
 
     The files are JAX's (``<key>-cache``; ``<key>-atime``, rewritten at every read: its time is the
@@ -283,18 +282,18 @@ class SharedDiskCache(_jax_lru.LRUCache):
         return os.path.join(self.directory, key + suffix)
 
     def get(self, key: str) -> bytes | None:
-        path = self._file(key, _jax_lru._CACHE_SUFFIX)
+        path = self._file(key, JAX_CACHE_SUFFIX)
         with self._locked():
             try:
                 with open(path, "rb") as f:
                     value = f.read()
             except FileNotFoundError:
                 return None
-            _touch(self._file(key, _jax_lru._ATIME_SUFFIX))
+            _touch(self._file(key, JAX_ATIME_SUFFIX))
         return value
 
     def put(self, key: str, value: bytes) -> None:
-        path = self._file(key, _jax_lru._CACHE_SUFFIX)
+        path = self._file(key, JAX_CACHE_SUFFIX)
         if self.eviction_enabled and len(value) > self.max_size:
             warnings.warn(f"tpu: an XLA executable of {len(value)} bytes is larger than the whole persistent "
                           f"cache ({self.max_size} bytes, TORCHTPU_CACHE_MAX_SIZE): not written", RuntimeWarning)
@@ -307,7 +306,7 @@ class SharedDiskCache(_jax_lru.LRUCache):
             if usage is None or (self.eviction_enabled and usage["bytes"] + len(value) > self.max_size):
                 usage, evicted = self._measure(incoming=len(value))
             _write_atomic(path, value)
-            _touch(self._file(key, _jax_lru._ATIME_SUFFIX))
+            _touch(self._file(key, JAX_ATIME_SUFFIX))
             usage["bytes"] += len(value)
             usage["entries"] += 1
             self._write_usage(usage)
@@ -315,7 +314,7 @@ class SharedDiskCache(_jax_lru.LRUCache):
         # the file system's online discard, 2.5 ms a file was measured) and nobody needs to wait.
         # Until then a reader may still load an evicted entry, which is whole: no harm.
         for key in evicted:
-            for suffix in (_jax_lru._CACHE_SUFFIX, _jax_lru._ATIME_SUFFIX):
+            for suffix in (JAX_CACHE_SUFFIX, JAX_ATIME_SUFFIX):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._file(key, suffix))
         if evicted:
@@ -388,7 +387,7 @@ def _scan(path: str, migrate: bool = False) -> dict[str, tuple[int, int]]:
     ``migrate`` (the lock held) also tidies: entries written before the cache was bounded get the
     access-time file JAX's own eviction requires (their write time), and access-time files without
     an entry and temporary files of killed writers are deleted."""
-    cache, atime = _jax_lru._CACHE_SUFFIX, _jax_lru._ATIME_SUFFIX
+    cache, atime = JAX_CACHE_SUFFIX, JAX_ATIME_SUFFIX
     sizes: dict[str, tuple[int, int]] = {}
     used: dict[str, int] = {}
     stale = time.time() - _STALE_TMP_SECONDS

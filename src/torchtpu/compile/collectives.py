@@ -32,11 +32,11 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 
 from torchtpu import metrics
 from torchtpu.distributed import programs
+from torchtpu.runtime.compat import OpOverload, resolve_process_group
 
 c10d = torch.ops._c10d_functional
 log = logging.getLogger("torchtpu.compile")
@@ -68,7 +68,7 @@ def _lowering(*ops: OpOverload):
 
 def ranks_of(group_name) -> tuple[int, ...]:
     """The global ranks of a ``_c10d_functional`` op's group, in group order."""
-    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    pg = resolve_process_group(group_name)
     return tuple(dist.get_process_group_ranks(pg))
 
 
@@ -173,7 +173,7 @@ def agree(group_name, calls: list[str], what: str) -> None:
     (or XLA would wait forever for a collective some ranks never run): one small object
     all-gather over the group; raises a RuntimeError naming the program, the group and the first
     difference. A rank that never builds the program makes this all-gather time out instead."""
-    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    pg = resolve_process_group(group_name)
     if dist.get_world_size(pg) == 1:
         return
     everyone: list = [None] * dist.get_world_size(pg)
@@ -311,9 +311,9 @@ def agreed_block(in_splits, group_name) -> int:
     """The largest split of any rank of the group: every rank must pad its blocks to the same
     size, and its own splits show only its row of the split matrix. One small object all-gather
     over the group, when the graph is built (every rank builds it)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torchtpu.runtime.compat import unset_fake_temporarily
 
-    pg = dist.distributed_c10d._resolve_process_group(group_name)
+    pg = resolve_process_group(group_name)
     everyone: list = [None] * dist.get_world_size(pg)
     with unset_fake_temporarily():
         dist.all_gather_object(everyone, max(map(int, in_splits)), group=pg)

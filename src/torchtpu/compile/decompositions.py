@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import functools
 
-from torch._decomp import core_aten_decompositions, decomposition_table
-
 from torchtpu.compile import graph as graph_lowering
 from torchtpu.ops import registry
+from torchtpu.runtime.compat import core_aten_decompositions, decomposition_table
 
 
 @functools.cache

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax._src.array import ArrayImpl
 import numpy as np
 import torch
 from torch.fx import GraphModule, Node
@@ -37,6 +36,7 @@ from torchtpu.eager import capture, transfer
 from torchtpu.ops import checks, precision
 from torchtpu.runtime.dtypes import to_jax_dtype
 from torchtpu.runtime import placement, rng, state
+from torchtpu.runtime.compat import ArrayImpl
 
 _names = itertools.count()
 # References an array held only by its storage has when counted in ``_read``: the storage's

@@ -23,12 +23,6 @@ from typing import Callable
 
 import jax
 import torch
-from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-try:
-    from torch._higher_order_ops.flex_attention import _captured_grad_buffer_mask
-except ImportError:  # torch < 2.14 has no such helper: it materialises every capture's gradient
-    def _captured_grad_buffer_mask(joint_graph, num_captures: int) -> tuple[bool, ...]:
-        return (True,) * num_captures
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -37,6 +31,15 @@ from torchtpu.compile import graph as graph_lowering
 from torchtpu.device import bridge
 from torchtpu.ops import flex_attention as flex
 from torchtpu.ops import precision
+from torchtpu.runtime.compat import HigherOrderOperator, TransformGetItemToIndex, captured_grad_buffer_mask
+
+
+def _every_capture(joint_graph, num_captures: int) -> tuple[bool, ...]:
+    """torch < 2.14 has no captured_grad_buffer_mask: it materialises every capture's gradient."""
+    return (True,) * num_captures
+
+
+_captured_grad_buffer_mask = captured_grad_buffer_mask or _every_capture
 
 LN2 = math.log(2.0)
 _LARGE_BLOCK = 1 << 30  # PyTorch's block size for "no BlockMask given": one block, nothing skipped
@@ -114,7 +117,7 @@ graph_lowering.HOP_LOWERINGS.update(LOWERINGS)  # the graph interpreter lowers t
 
 def lowering_for(target) -> Callable | None:
     """The lowering of a higher-order op node's target, if it is one of these."""
-    name = getattr(target, "_name", None) if isinstance(target, torch._ops.HigherOrderOperator) else None
+    name = getattr(target, "_name", None) if isinstance(target, HigherOrderOperator) else None
     return LOWERINGS.get(name)
 
 

@@ -16,13 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from torchtpu.compile import collectives
 from torchtpu.ops import checks, foreach, registry  # noqa: F401  (foreach: derives _foreach_* lowerings for registry.for_graph)
 from torchtpu.runtime import platform, rng
+from torchtpu.runtime.compat import HigherOrderOperator, OpOverload, unset_fake_temporarily
 
 aten = torch.ops.aten
 
@@ -66,7 +65,7 @@ HOP_LOWERINGS: dict[str, Callable] = {}
 
 
 def _hop_lowering(target) -> Callable | None:
-    if not isinstance(target, torch._ops.HigherOrderOperator):
+    if not isinstance(target, HigherOrderOperator):
         return None
     return HOP_LOWERINGS.get(getattr(target, "_name", None))
 

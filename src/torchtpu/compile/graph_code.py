@@ -11,11 +11,11 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch._inductor.output_code import OutputCode
 from torch.fx import GraphModule
 
 from torchtpu.compile import cache
 from torchtpu.compile.warm import key
+from torchtpu.runtime.compat import OutputCode
 
 
 @dataclasses.dataclass
@@ -39,10 +39,8 @@ class GraphCode(OutputCode):
 
     def prepare_for_serialization(self) -> None:
         # Called on a copy (BundledOutputCodeLoadable.pre_save): the live graph keeps running.
-        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
-        from torch.fx._graph_pickler import GraphPickler, Options
-
         from torchtpu.compile import collectives
+        from torchtpu.runtime.compat import BypassAOTAutogradCache, GraphPickler, GraphPicklerOptions
 
         if collectives.groups(self.gm):  # their process groups belong to this process: not stored
             raise BypassAOTAutogradCache("tpu: a graph with collectives is not stored across processes")
@@ -52,7 +50,7 @@ class GraphCode(OutputCode):
         if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in _constants(self.gm)):
             # GraphPickler copies constants to the CPU under a FakeTensorMode, which a tpu tensor fails
             raise BypassAOTAutogradCache("tpu: a graph with tpu tensor constants is not stored")
-        self.pickled_gm = GraphPickler.dumps(self.gm, Options(ops_filter=None))
+        self.pickled_gm = GraphPickler.dumps(self.gm, GraphPicklerOptions(ops_filter=None))
         self.gm = self.graph = None
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
@@ -82,11 +80,10 @@ def _constants(gm: GraphModule) -> Iterator[Any]:
 
 
 def _rebuild(pickled_gm: bytes, kind: str, options: dict[str, Any]):
-    from torch._subclasses import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from torchtpu.compile.executable import build_graph
+    from torchtpu.runtime.compat import FakeTensorMode, GraphPickler
 
     gm = GraphPickler.loads(pickled_gm, FakeTensorMode(shape_env=ShapeEnv()))
     return build_graph(gm, kind, options)

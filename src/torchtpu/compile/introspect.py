@@ -25,6 +25,7 @@ import torch
 
 from torchtpu.compile import cache, recompiles
 from torchtpu.config import config
+from torchtpu.runtime.compat import pytree
 
 STAGES = ("stablehlo", "optimized")
 
@@ -66,7 +67,7 @@ def _grad_leaves(outputs: Any) -> list[torch.Tensor]:
     """The leaf tensors a backward pass of ``outputs`` would reach: inputs, module parameters and
     tensors a closure holds (``lambda x: model(x).sum()``), found in the autograd graph itself."""
     leaves, seen = {}, set()
-    stack = [t.grad_fn for t in torch.utils._pytree.tree_leaves(outputs)
+    stack = [t.grad_fn for t in pytree.tree_leaves(outputs)
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -83,7 +84,7 @@ def _grad_leaves(outputs: Any) -> list[torch.Tensor]:
 def _run_backward(outputs: Any) -> None:
     """Differentiate the outputs (with ones) so aot_autograd compiles the backward graph; the
     gradients are returned, not accumulated, so no ``.grad`` changes."""
-    outs = [t for t in torch.utils._pytree.tree_leaves(outputs)
+    outs = [t for t in pytree.tree_leaves(outputs)
             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     leaves = _grad_leaves(outs)
     if outs and leaves:
@@ -300,7 +301,7 @@ def _numbered(title: str, items: list[str]) -> list[str]:
 
 def explain(fn: Callable, *inputs: Any) -> Explanation:
     """Compile and run ``fn`` on ``inputs``; say in plain words how dynamo split it and what recompiled."""
-    from torch._dynamo.backends.debugging import ExplainWithBackend
+    from torchtpu.runtime.compat import ExplainWithBackend
 
     # Read before compiling; and not torch._dynamo.explain, which resets every dynamo cache.
     recompilations = recompile_sentences()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def recompile_reasons() -> list[dict[str, str]]:
     """One entry per recompilation: the function (name, file:line) and the failed guard."""
-    from torch._dynamo.utils import guard_failures
+    from torchtpu.runtime.compat import guard_failures
 
     reasons = []
     for code, failures in list(guard_failures.items()):
@@ -14,7 +14,7 @@ def recompile_reasons() -> list[dict[str, str]]:
 
 
 def clear_recompile_reasons() -> None:
-    from torch._dynamo.utils import guard_failures
+    from torchtpu.runtime.compat import guard_failures
 
     guard_failures.clear()
     _counted.clear()
@@ -29,9 +29,8 @@ def count_new() -> None:
     Called when dynamo hands the backend a graph: a recompilation's failed guard is recorded by
     then.
     """
-    from torch._dynamo.utils import guard_failures
-
     from torchtpu import metrics
+    from torchtpu.runtime.compat import guard_failures
 
     for code, failures in list(guard_failures.items()):
         seen = _counted.get(code, 0)

@@ -39,6 +39,7 @@ import torch
 from torchtpu import metrics
 from torchtpu.compile import cache
 from torchtpu.config import config
+from torchtpu.runtime import compat
 
 # The dynamo graph attribute that carries our part of the key: AOTAutogradCache hashes the graph
 # module's ``__dict__`` (``AOTAutogradCachePickler._reduce_graph_module_for_cache_key``).
@@ -69,14 +70,14 @@ def install() -> bool:
         return False
     if os.environ.get("TORCH_CACHING_PRECOMPILE", "1") != "1":
         return False
-    torch._dynamo.config.caching_precompile = True
+    compat.dynamo_config.caching_precompile = True
     atexit.register(_save_dynamo_cache)
     return True
 
 
 def uninstall() -> None:
     """Undo ``install`` (patch ``dynamo.warm_start`` in ``torchtpu.patches``)."""
-    torch._dynamo.config.caching_precompile = False
+    compat.dynamo_config.caching_precompile = False
     atexit.unregister(_save_dynamo_cache)
 
 
@@ -117,17 +118,14 @@ def _names_digest(names: tuple[str, ...]) -> str:
 
 def cache_dir() -> str:
     """The directory of PyTorch's AOTAutograd cache, where the warm-start entries live."""
-    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
-
-    return AOTAutogradCache._get_tmp_dir()
+    return compat.aot_autograd_cache_dir()
 
 
 @contextlib.contextmanager
 def caching() -> Iterator[None]:
     """Around one aot_autograd call: store entries whole (our ``GraphCode``s, not keys into
     Inductor's FX graph cache), count hits and misses, warn of unreadable entries, keep the bound."""
-    from torch._dynamo.utils import counters
-
+    counters = compat.dynamo_counters
     before = dict(counters["aot_autograd"])
     unreadable = _Unreadable()
     logger = logging.getLogger(_CODECACHE_LOGGER)
@@ -135,7 +133,7 @@ def caching() -> Iterator[None]:
     try:
         # The backward graph is made now, not at the first backward(): the entry is written
         # once both exist, and only while this call's settings hold.
-        with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True):
+        with compat.functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True):
             yield
     finally:
         logger.removeHandler(unreadable)
