@@ -39,7 +39,15 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
+
+#include <ATen/native/BinaryOps.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/result_type.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_native.h>
 
 #include <atomic>
 #include <cmath>
@@ -56,12 +64,12 @@ namespace {
 
 // Argument kinds, as eager/dispatch.py's _Signature: a tensor, a dynamic number (a cached device
 // scalar), a static value (part of the key).
-enum Kind : int8_t { kTensor = 0, kScalar = 3, kStatic = 4 };
+enum Kind : int8_t { kTensor = 0, kList = 1, kScalar = 3, kStatic = 4 };
 
 // Key tags: what follows each tag in the key.
 enum Tag : int64_t {
   tNone = -1, tDyn = -2, tView = -3, tBool = -4, tInt = -5, tDouble = -6, tIntList = -7,
-  tString = -8, tDevice = -9, tDoubleList = -10, tBoolList = -11, tOmitted = -12,
+  tString = -8, tDevice = -9, tDoubleList = -10, tBoolList = -11, tOmitted = -12, tList = -13,
 };
 
 // ------------------------------------------------------------------------- process-wide state
@@ -79,6 +87,10 @@ struct Globals {
   PyObject* scalar_fn = nullptr;         // dispatch._scalar(value)
   PyObject* host_scalar_fn = nullptr;    // dispatch._host_scalar(value, dtype)
   PyObject* op_counts = nullptr;         // metrics.ops (a Counter)
+  PyObject* write_back = nullptr;        // native_kernels.write_back(target, value, name)
+  PyObject* wrap_laid_out = nullptr;     // native_kernels.wrap_laid_out(out, device, layouts)
+  PyObject* s_fn = nullptr;
+  PyObject* s_layouts = nullptr;
   PyObject* s_jax = nullptr;             // "_jax"
   PyObject* s_dtype = nullptr;
   PyObject* s_shape = nullptr;
@@ -115,8 +127,9 @@ struct KeyHash {
 };
 
 struct Entry {
-  PyObject* fn = nullptr;  // the jitted program (owned); null: this key stays with Python
-  int misses = 0;          // learning attempts that did not match
+  PyObject* fn = nullptr;       // the jitted program (owned); null: this key stays with Python
+  PyObject* layouts = nullptr;  // its outputs' memory orders where PyTorch's are not contiguous (owned)
+  int misses = 0;               // learning attempts that did not match
 };
 
 constexpr int kMaxMisses = 3;
@@ -137,9 +150,9 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
 class NativeOp final : public c10::OperatorKernel {
  public:
   NativeOp(py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
-           const std::string& metric)
+           const std::string& metric, bool inplace)
       : kernel_(std::move(kernel)), kinds_(std::move(kinds)), triggers_(std::move(triggers)), dots_(dots),
-        name_(py::str(metric)) {}
+        name_(py::str(metric)), inplace_(inplace) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     run(*this, op, stack);
@@ -150,6 +163,7 @@ class NativeOp final : public c10::OperatorKernel {
   std::vector<int64_t> triggers_; // arguments whose non-default value needs the Python checks
   bool dots_;
   py::object name_;               // str(op), the metrics' key
+  bool inplace_;                  // op_(self, ...): the functional program's result written into self
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;
   int64_t native_calls_ = 0;
   int64_t python_calls_ = 0;
@@ -213,6 +227,11 @@ PyObject* cached_scalar(int64_t tag, int64_t bits, Make make) {
   g.scalars.emplace(key, value);
   return value;
 }
+
+// Below this many elements an in-place op's target is not donated on the native path (its Python
+// kernel donates a sole-owned target: for large buffers, where updating in place matters, calls
+// whose target could be donated go to Python).
+constexpr int64_t kDonateFrom = 1 << 14;
 
 int64_t double_bits(double v) {
   int64_t bits;
@@ -375,6 +394,7 @@ bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, Dyn
   Py_DECREF(shape);
   if (same_shape && t.is_contiguous() && t.storage_offset() == 0) {
     key.push_back(tDyn);
+    key.push_back(static_cast<int64_t>(st));  // (an in-place op's result must fit its target's dtype)
     return true;
   }
   // a view, read inside the op's program: its storage's array, its offset, and its geometry
@@ -477,6 +497,48 @@ bool push_outputs(const c10::OperatorHandle& op, PyObject* out, int device, torc
   return true;
 }
 
+// Writes an in-place op's result into its target: the storage's array replaced when the target is
+// all of it in the result's dtype and shape, else through the bridge (a view's scatter, a cast, the
+// cast check). False with a Python error set on failure.
+bool write_into(const at::Tensor& target, PyObject* out, NativeOp& self) {
+  Globals& g = G();
+  if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(g.array_type) && target.is_contiguous() &&
+      target.storage_offset() == 0 && !target.is_conj() && !target.is_neg()) {
+    PyObject* storage = THPStorage_Wrap(target.storage());
+    if (storage == nullptr) return false;
+    PyObject* old = PyObject_GetAttr(storage, g.s_jax);
+    bool simple = false;
+    if (old != nullptr && Py_TYPE(old) == reinterpret_cast<PyTypeObject*>(g.array_type)) {
+      PyObject* old_dtype = PyObject_GetAttr(old, g.s_dtype);
+      PyObject* new_dtype = PyObject_GetAttr(out, g.s_dtype);
+      PyObject* old_shape = PyObject_GetAttr(old, g.s_shape);
+      PyObject* new_shape = PyObject_GetAttr(out, g.s_shape);
+      simple = old_dtype != nullptr && old_dtype == new_dtype &&
+               old_dtype == g.to_jax[static_cast<int>(target.scalar_type())] && old_shape != nullptr &&
+               new_shape != nullptr && PyObject_RichCompareBool(old_shape, new_shape, Py_EQ) == 1 &&
+               PyTuple_GET_SIZE(new_shape) == static_cast<Py_ssize_t>(target.dim());
+      for (int64_t d = 0; simple && d < target.dim(); d++) {
+        simple = PyLong_AsLongLong(PyTuple_GET_ITEM(new_shape, d)) == target.size(d);
+      }
+      Py_XDECREF(old_dtype);
+      Py_XDECREF(new_dtype);
+      Py_XDECREF(old_shape);
+      Py_XDECREF(new_shape);
+    }
+    Py_XDECREF(old);
+    PyErr_Clear();
+    int failed = simple ? PyObject_SetAttr(storage, g.s_jax, out) : 0;
+    Py_DECREF(storage);
+    if (simple) return failed == 0;
+  }
+  PyObject* py_target = THPVariable_Wrap(target);
+  if (py_target == nullptr) return false;
+  PyObject* done = PyObject_CallFunctionObjArgs(g.write_back, py_target, out, self.name_.ptr(), nullptr);
+  Py_DECREF(py_target);
+  Py_XDECREF(done);
+  return done != nullptr;
+}
+
 void count_op(NativeOp& self) {
   Globals& g = G();
   PyObject* counts = g.op_counts;
@@ -503,22 +565,48 @@ void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* sta
   if (PyObject_SetAttr(kernel, g.s_last, Py_None) < 0) PyErr_Clear();
   if (PyObject_SetAttr(kernel, g.s_learn, Py_False) < 0) PyErr_Clear();
   if (self.table_.size() >= kMaxEntries) {  // bounded, as the Python kernel's LRU
-    for (auto& kv : self.table_) Py_XDECREF(kv.second.fn);
+    for (auto& kv : self.table_) {
+      Py_XDECREF(kv.second.fn);
+      Py_XDECREF(kv.second.layouts);
+    }
     self.table_.clear();
   }
   Entry& entry = self.table_[std::move(key)];
   bool match = last != nullptr && PyTuple_Check(last) && PyTuple_GET_SIZE(last) == 2;
   PyObject* fn = match ? PyTuple_GET_ITEM(last, 0) : nullptr;
   PyObject* values = match ? PyTuple_GET_ITEM(last, 1) : nullptr;
-  match = match && Py_TYPE(fn) != reinterpret_cast<PyTypeObject*>(g.laid_out_type) && PyList_Check(values) &&
-          static_cast<size_t>(PyList_GET_SIZE(values)) == dyn.items.size();
+  match = match && PyList_Check(values) && static_cast<size_t>(PyList_GET_SIZE(values)) == dyn.items.size();
   for (size_t i = 0; match && i < dyn.items.size(); i++) match = PyList_GET_ITEM(values, i) == dyn.items[i];
-  if (match && entry.fn == nullptr) {
+  PyObject* layouts = nullptr;
+  if (match && Py_TYPE(fn) == reinterpret_cast<PyTypeObject*>(g.laid_out_type)) {  // outputs laid out as PyTorch's
+    fn = PyObject_GetAttr(fn, g.s_fn);
+    layouts = PyObject_GetAttr(PyTuple_GET_ITEM(last, 0), g.s_layouts);
+    match = fn != nullptr && layouts != nullptr && !self.inplace_;
+    if (!match) {
+      Py_XDECREF(fn);
+      Py_XDECREF(layouts);
+      PyErr_Clear();
+      fn = layouts = nullptr;
+    }
+  } else if (match) {
     Py_INCREF(fn);
-    entry.fn = fn;
+  }
+  if (match && entry.fn == nullptr) {
+    entry.fn = fn;  // (the reference taken above)
+    entry.layouts = layouts;
     entry.misses = 0;
   } else if (!match) {
     entry.misses++;
+    if (std::getenv("TORCHTPU_NATIVE_DEBUG")) {
+      fprintf(stderr, "native eager: %s did not learn: python %zd values, native %zu:",
+              py::str(self.name_).cast<std::string>().c_str(),
+              values && PyList_Check(values) ? PyList_GET_SIZE(values) : (Py_ssize_t)-1, dyn.items.size());
+      for (size_t i = 0; i < dyn.items.size(); i++) {
+        fprintf(stderr, " %p/%p", (void*)dyn.items[i],
+                values && PyList_Check(values) && (Py_ssize_t)i < PyList_GET_SIZE(values) ? (void*)PyList_GET_ITEM(values, i) : nullptr);
+      }
+      fprintf(stderr, "\n");
+    }
   }
   Py_XDECREF(last);
 }
@@ -537,7 +625,17 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   auto args = torch::jit::last(*stack, nargs);
   for (int64_t i : self.triggers_) {  // an argument PyTorch's checks look at (add's alpha)
     const auto& given = schema.arguments()[i].default_value();
-    if (!given.has_value() || !(args[i] == *given)) {
+    bool at_default = given.has_value() && args[i] == *given;
+    if (!at_default && schema.arguments()[i].name() == "alpha" && args[i].isScalar() && args[0].isTensor()) {
+      // add's and sub's alpha: PyTorch's own check, on the type the op computes in
+      const c10::IValue& other = args[1];
+      c10::ScalarType computed = other.isTensor() ? at::result_type(args[0].toTensor(), other.toTensor())
+                                 : other.isScalar() ? at::result_type(args[0].toTensor(), other.toScalar())
+                                                    : args[0].toTensor().scalar_type();
+      at::native::alpha_check(computed, args[i].toScalar());
+      continue;
+    }
+    if (!at_default) {
       self.left_[1]++;
       py::gil_scoped_release release;
       return to_python(op, stack);
@@ -591,6 +689,16 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
           ok = static_key(v, key);  // (an untyped slot's value)
         }
         break;
+      case kList:  // Tensor[] (cat's): each element as a tensor argument
+        if (v.isTensorList()) {
+          auto list = v.toTensorList();
+          key.push_back(tList);
+          key.push_back(static_cast<int64_t>(list.size()));
+          for (size_t j = 0; ok && j < list.size(); j++) ok = tensor_arg(list.get(j), device, key, dyn);
+        } else {
+          ok = false;
+        }
+        break;
       case kScalar:
         if (v.isNone()) {
           key.push_back(tNone);
@@ -602,6 +710,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
           if (ok) {
             dyn.push(s);
             key.push_back(tDyn);
+            key.push_back(v.isDouble() ? tDouble : v.isBool() ? tBool : tInt);
           }
         }
         break;
@@ -614,6 +723,15 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     self.left_[2]++;
     py::gil_scoped_release release;
     return to_python(op, stack);
+  }
+  if (self.inplace_) {
+    const at::Tensor& target = args[0].toTensor();
+    bool whole = target.numel() >= kDonateFrom && target.is_contiguous() && target.storage_offset() == 0;
+    if (whole && Py_REFCNT(dyn.items[0]) <= 2) {  // the storage and this walk: the Python kernel donates it
+      self.left_[2]++;
+      py::gil_scoped_release release;
+      return to_python(op, stack);
+    }
   }
   auto found = self.table_.find(key);
   if (found == self.table_.end() || found->second.fn == nullptr) {
@@ -631,6 +749,36 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     PyErr_Clear();
     py::gil_scoped_release release;
     return to_python(op, stack);
+  }
+  if (self.inplace_) {
+    at::Tensor target = args[0].toTensor();
+    bool written = write_into(target, out, self);
+    Py_DECREF(out);
+    if (!written) throw py::error_already_set();
+    torch::jit::drop(*stack, nargs);
+    stack->emplace_back(std::move(target));
+    self.native_calls_++;
+    count_op(self);
+    return;
+  }
+  PyObject* layouts = found->second.layouts;
+  if (layouts != nullptr) {  // outputs PyTorch lays out otherwise than contiguously: wrapped in Python
+    PyObject* wrapped = PyObject_CallFunctionObjArgs(g.wrap_laid_out, out, py::int_(device).ptr(), layouts, nullptr);
+    Py_DECREF(out);
+    if (wrapped == nullptr) throw py::error_already_set();
+    torch::jit::drop(*stack, nargs);
+    if (THPVariable_Check(wrapped)) {
+      stack->emplace_back(THPVariable_Unpack(wrapped));
+    } else {
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(wrapped); i++) {
+        PyObject* item = PyTuple_GET_ITEM(wrapped, i);
+        stack->emplace_back(item == Py_None ? at::Tensor() : THPVariable_Unpack(item));
+      }
+    }
+    Py_DECREF(wrapped);
+    self.native_calls_++;
+    count_op(self);
+    return;
   }
   torch::jit::drop(*stack, nargs);
   bool pushed = push_outputs(op, out, device, stack);
@@ -667,6 +815,10 @@ void native_eager_setup(py::dict refs) {
   g.scalar_fn = keep(refs["scalar"]);
   g.host_scalar_fn = keep(refs["host_scalar"]);
   g.op_counts = keep(refs["op_counts"]);
+  g.write_back = keep(refs["write_back"]);
+  g.wrap_laid_out = keep(refs["wrap_laid_out"]);
+  g.s_fn = PyUnicode_InternFromString("fn");
+  g.s_layouts = PyUnicode_InternFromString("layouts");
   g.s_jax = PyUnicode_InternFromString("_jax");
   g.s_dtype = PyUnicode_InternFromString("dtype");
   g.s_shape = PyUnicode_InternFromString("shape");
@@ -686,13 +838,48 @@ void native_eager_setup(py::dict refs) {
 }
 
 void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
-                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots) {
+                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
+                           bool inplace) {
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1,
                                               __FILE__, __LINE__);
   auto functor = std::make_unique<NativeOp>(std::move(kernel), std::move(kinds), std::move(triggers), dots,
-                                            metric);
+                                            metric, inplace);
   registered_ops().push_back(functor.get());
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(functor)));
+  G().libraries.push_back(std::move(lib));
+}
+
+// Views: the CPU's own kernels of the four primitive view ops, which only make a tensor of another
+// geometry on the same storage (device-agnostic metadata, PyTorch's checks and messages); the other
+// view ops (transpose, permute, slice, select, expand, unsqueeze, ...) are PyTorch's composite
+// kernels over these, as on CUDA.
+at::Tensor view_as_cpu(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor as_strided_as_cpu(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                             std::optional<c10::SymInt> storage_offset) {
+  std::optional<int64_t> offset;
+  if (storage_offset.has_value()) offset = storage_offset->guard_int(__FILE__, __LINE__);
+  return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+                                           offset);
+}
+
+at::Tensor reshape_alias_as_cpu(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+at::Tensor unfold_as_cpu(const at::Tensor& self, int64_t dimension, int64_t size, int64_t step) {
+  return at::native::unfold(self, dimension, size, step);
+}
+
+void native_views_register() {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                              __FILE__, __LINE__);
+  lib->impl("view", TORCH_FN(view_as_cpu));
+  lib->impl("as_strided", TORCH_FN(as_strided_as_cpu));
+  lib->impl("_reshape_alias", TORCH_FN(reshape_alias_as_cpu));
+  lib->impl("unfold", TORCH_FN(unfold_as_cpu));
   G().libraries.push_back(std::move(lib));
 }
 

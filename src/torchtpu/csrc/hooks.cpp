@@ -44,8 +44,10 @@ void register_autocast();  // autocast.cpp: PyTorch's CUDA autocast policy on Au
 // eager.cpp: the native eager kernel (torchtpu/eager/native.py)
 void native_eager_setup(py::dict refs);
 void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
-                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots);
+                           py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
+                           bool inplace);
 void native_eager_clear();
+void native_views_register();
 void native_eager_enable(bool on);
 bool native_eager_enabled();
 int64_t native_reserve_address(int64_t nbytes);
@@ -622,9 +624,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_eager_setup", &torchtpu::native_eager_setup, "native_eager_setup(refs): what the native "
         "eager kernel reads of the Python side (eager/native.py)");
   m.def("native_eager_register", &torchtpu::native_eager_register,
-        "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots): the C++ kernel of one op on "
+        "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots, inplace): the C++ kernel of one op on "
         "PrivateUse1 (its Python kernel must be on PrivateUse2)");
   m.def("native_eager_clear", &torchtpu::native_eager_clear, "deregister every native eager kernel");
+  m.def("native_views_register", &torchtpu::native_views_register,
+        "native_views_register(): the CPU's kernels of view, as_strided, _reshape_alias and unfold on PrivateUse1");
   m.def("native_eager_enable", &torchtpu::native_eager_enable, "native_eager_enable(on): use the native path");
   m.def("native_eager_enabled", &torchtpu::native_eager_enabled, "whether the native path is in use");
   m.def("native_reserve_address", &torchtpu::native_reserve_address,

@@ -6,8 +6,8 @@ for whatever it does not run itself: first calls (it learns each call signature'
 the Python kernel's run), the DEFER_AND_FUSE and capture modes, deferred or dtype-viewed storages,
 errors. See the C++ file's header for the per-call work.
 
-Eligible: a functional ``dispatch.Kernel`` whose arguments are tensors, numbers and static values
-(no tensor lists), returning one tensor or a tuple of them, whose program runs under ``jax.jit``
+Eligible: a functional ``dispatch.Kernel`` (or its in-place variant) whose arguments are tensors,
+tensor lists, numbers and static values (no index lists), returning one tensor or a tuple of them, whose program runs under ``jax.jit``
 (not data-dependent), draws no random numbers, has no device-side index checks and no factory
 ``device`` argument, and whose PyTorch argument checks (``argument_errors.CHECKS``) look only at
 arguments with defaults (the C++ kernel leaves a call with a non-default one to Python).
@@ -31,7 +31,7 @@ from torchtpu.ops import precision
 from torchtpu.runtime import execution, native
 from torchtpu.runtime.dtypes import TORCH_TO_JAX
 
-_KIND = {dispatch._TENSOR: 0, dispatch._SCALAR: 3, dispatch._STATIC: 4}
+_KIND = {dispatch._TENSOR: 0, dispatch._LIST: 1, dispatch._SCALAR: 3, dispatch._STATIC: 4}
 _module = None  # the extension, once set up
 REGISTERED: list = []  # the ops with a native kernel
 
@@ -57,6 +57,8 @@ def _setup():
         "scalar": dispatch._scalar,
         "host_scalar": dispatch._host_scalar,
         "op_counts": metrics.ops,
+        "write_back": write_back,
+        "wrap_laid_out": wrap_laid_out,
         "dtypes": [(t, np.dtype(j)) for t, j in TORCH_TO_JAX.items()],
     })
     bridge.use_native_addresses(module.native_reserve_address, module.native_set_next_address)
@@ -64,8 +66,28 @@ def _setup():
     return module
 
 
+def write_back(target: torch.Tensor, value, name: str) -> None:
+    """An in-place op's result into its target, as ``dispatch.InplaceKernel`` writes it (the native
+    kernel's path for views, casts and broadcasts)."""
+    if value.dtype != TORCH_TO_JAX[target.dtype]:
+        dispatch._check_cast(value.dtype, target.dtype, name)
+    bridge.write(target, value)
+
+
+def wrap_laid_out(out, index: int, layouts: tuple):
+    """Outputs PyTorch lays out otherwise than contiguously (channels_last, a permuted input's
+    layout), wrapped as ``dispatch.Kernel`` wraps them: one tensor, or a tuple."""
+    if isinstance(out, (tuple, list)):
+        return tuple(None if o is None else bridge.wrap(o, index, dispatch._strides(o, order))
+                     for o, order in zip(out, layouts))
+    return bridge.wrap(out, index, dispatch._strides(out, layouts[0]))
+
+
 def eligible(op, kernel) -> tuple | None:
-    """(argument kinds, trigger argument positions) if ``kernel`` can run natively, else None."""
+    """(argument kinds, trigger argument positions) if ``kernel`` can run natively, else None.
+    ``kernel``: a functional kernel, or an in-place one (``op_``) over an eligible functional one."""
+    if type(kernel) is dispatch.InplaceKernel:
+        kernel = kernel.functional
     if type(kernel) is not dispatch.Kernel or op.namespace != "aten":
         return None
     low, sig = kernel.lowering, kernel.sig
@@ -79,7 +101,7 @@ def eligible(op, kernel) -> tuple | None:
         if kind not in _KIND or a.is_out:
             return None
         kinds.append(_KIND[kind])
-    if not all(str(r.type) == "Tensor" for r in op._schema.returns):
+    if not all(str(r.type) in ("Tensor", "Tensor(a!)") for r in op._schema.returns):
         return None
     names = [a.name for a in arguments]
     triggers = set()
@@ -92,6 +114,25 @@ def eligible(op, kernel) -> tuple | None:
                     return None
                 triggers.add(names.index(name))
     return kinds, sorted(triggers)
+
+
+# View ops: the C++ extension registers the CPU's kernels of the primitive ones; the composite ones
+# are then PyTorch's own (CompositeExplicitAutograd) kernels over those, as on CUDA.
+_PRIMITIVE_VIEWS = ("view.default", "as_strided.default", "_reshape_alias.default", "unfold.default")
+
+
+def _native_views(kernels: dict) -> set:
+    """The view ops whose Python kernels the native views replace."""
+    aten = torch.ops.aten
+    primitive = {getattr(getattr(aten, n.split(".")[0]), n.split(".")[1]) for n in _PRIMITIVE_VIEWS}
+    found = set()
+    for op, kernel in kernels.items():
+        if not getattr(kernel, "is_view", False):
+            continue
+        if op in primitive or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd") \
+                and op not in (aten.view.dtype,):
+            found.add(op)
+    return found
 
 
 def install(lib_for, kernels: dict) -> set:
@@ -112,11 +153,16 @@ def install(lib_for, kernels: dict) -> set:
         name = op._schema.name.split("::")[1]
         impl = name if op._overloadname == "default" else f"{name}.{op._overloadname}"
         lib_for(op).impl(impl, argument_errors.guarded(op, kernel), "PrivateUse2")
-        module.native_eager_register(op.namespace, impl, kernel.name, kernel, kinds, triggers, bool(kernel.dots))
+        inplace = type(kernel) is dispatch.InplaceKernel
+        functional = kernel.functional if inplace else kernel  # (its run reports what the C++ kernel learns)
+        module.native_eager_register(op.namespace, impl, str(op), functional, kinds, triggers,
+                                     bool(functional.dots), inplace)
         done.add(op)
     REGISTERED[:] = sorted(done, key=str)
+    views = _native_views(kernels)
+    module.native_views_register()
     module.native_eager_enable(True)
-    return done
+    return done | views
 
 
 def uninstall() -> None:

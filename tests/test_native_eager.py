@@ -1,0 +1,216 @@
+"""The native eager path (csrc/eager.cpp, eager/native_kernels.py) against the Python kernels it
+learns from: op by op on OpInfo's samples, and the semantics it must keep (views alias, in-place
+writes through views, errors, metrics, the other eager modes, threads, the switch)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+
+from torchtpu import metrics
+from torchtpu.eager import native_kernels as nk
+
+
+@pytest.fixture(autouse=True)
+def native_on():
+    torch.ones(1, device="tpu")  # the runtime starts, installing the kernels
+    if not nk.REGISTERED:
+        pytest.skip("the native eager kernel is off in this process (TORCHTPU_NATIVE_EAGER=0 or no C++ extension)")
+    was = nk.enabled()
+    nk.set_enabled(True)
+    yield
+    nk.set_enabled(was)
+
+
+def _calls(name: str) -> int:
+    return nk.stats().get(name, (0,))[0]
+
+
+def test_the_hot_ops_are_native():
+    names = {str(op) for op in nk.REGISTERED}
+    # the ops that dominate the tests' programs and the serving engines' eager parts
+    for name in ("aten.add.Tensor", "aten.mul.Tensor", "aten.sub.Tensor", "aten.div.Tensor", "aten.relu.default",
+                 "aten.exp.default", "aten.sum.dim_IntList", "aten.mean.dim", "aten.mm.default", "aten.addmm.default",
+                 "aten.bmm.default", "aten._softmax.default", "aten.native_layer_norm.default", "aten.where.self",
+                 "aten.eq.Tensor", "aten.add_.Tensor", "aten.mul_.Tensor", "aten.gelu.default", "aten.rsqrt.default",
+                 "aten.silu.default"):
+        assert name in names, name
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() \
+            and torch.equal(a.cpu().view(torch.uint8) if a.dtype == torch.bool else a.cpu(),
+                            b.cpu().view(torch.uint8) if b.dtype == torch.bool else b.cpu()) \
+            or (a.dtype.is_floating_point and torch.equal(torch.nan_to_num(a.cpu(), 7.0), torch.nan_to_num(b.cpu(), 7.0)))
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+_NATIVE_NAMES = None
+
+
+def _native_base_names() -> set:
+    global _NATIVE_NAMES
+    if _NATIVE_NAMES is None:
+        torch.ones(1, device="tpu")
+        _NATIVE_NAMES = {str(op).split(".")[1].rstrip("_") for op in nk.REGISTERED}
+    return _NATIVE_NAMES
+
+
+_OPINFOS = [o for o in op_db if o.name.split(".")[0] in {
+    # a spread of OpInfo entries over the native ops' families (the registered set is checked above)
+    "add", "sub", "mul", "div", "true_divide", "rsub", "pow", "maximum", "minimum", "atan2", "remainder", "fmod",
+    "abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "erf", "floor", "ceil", "round",
+    "sign", "reciprocal", "clamp_min", "clamp_max", "where", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
+    "logical_not", "bitwise_and", "sum", "mean", "amax", "amin", "prod", "var", "std", "argmax", "argmin",
+    "logsumexp", "mm", "bmm", "addmm", "matmul", "softmax", "log_softmax", "nn.functional.relu",
+    "nn.functional.gelu", "nn.functional.silu", "nn.functional.layer_norm", "nn.functional.linear",
+    "nn.functional.embedding", "cumsum", "tril", "triu", "lerp", "addcmul", "addcdiv"}]
+
+
+@pytest.mark.parametrize("info", _OPINFOS, ids=lambda o: o.name + ("." + o.variant_test_name if o.variant_test_name else ""))
+def test_native_equals_python_op_by_op(info):
+    """Each sample run natively (its second call, once the signature is learned) equals the Python
+    kernel's result exactly: the same program on the same arrays."""
+    dtype = torch.float32 if torch.float32 in info.supported_dtypes("cpu") else next(iter(info.supported_dtypes("cpu")))
+    samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))[:4]
+    before = sum(v[0] for v in nk.stats().values())
+    compared = 0
+    for sample in samples:
+        sample = sample.transform(lambda t: t.to("tpu") if isinstance(t, torch.Tensor) else t)
+
+        def call():
+            return info.op(sample.input, *sample.args, **sample.kwargs)
+
+        try:
+            nk.set_enabled(False)
+            expected = call()
+        except Exception as exc:  # an error: the native path must raise the same
+            nk.set_enabled(True)
+            with pytest.raises(type(exc)):
+                call()
+            with pytest.raises(type(exc)):
+                call()
+            continue
+        nk.set_enabled(True)
+        call()  # learns
+        got = call()
+        assert _equal(got, expected), (info.name, sample)
+        compared += 1
+    assert compared or not samples
+    assert sum(v[0] for v in nk.stats().values()) >= before  # (counted; the set test checks coverage)
+
+
+def test_native_calls_are_counted_and_run_natively():
+    x = torch.randn(8, 8, device="tpu")
+    y = torch.randn(8, 8, device="tpu")
+    metrics.reset()
+    for _ in range(5):
+        z = torch.relu(x @ y + x * 2)
+    assert metrics.ops["aten.mm.default"] == 5 and metrics.ops["aten.add.Tensor"] == 5
+    assert _calls("aten.mm.default") >= 4 and _calls("aten.relu.default") >= 4
+    torch.testing.assert_close(z.cpu(), torch.relu(x.cpu() @ y.cpu() + x.cpu() * 2), rtol=1e-5, atol=1e-5)
+
+
+def test_views_alias_and_in_place_writes_through_them():
+    base = torch.zeros(6, 8, device="tpu")
+    ref = torch.zeros(6, 8)
+    for t, r in ((base, ref), (base[1:4], ref[1:4]), (base.t()[2], ref.t()[2]), (base.view(48)[5:9], ref.view(48)[5:9])):
+        for _ in range(3):
+            t.add_(1.5)
+            r.add_(1.5)
+            t.mul_(torch.full((), 2.0, device="tpu"))
+            r.mul_(torch.full((), 2.0))
+    assert torch.equal(base.cpu(), ref)
+    v = base.t()
+    assert v._base is base and v.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    out = base[2:5, 1:3] * 3 + 1  # a view read inside the native program
+    assert torch.equal(out.cpu(), ref[2:5, 1:3] * 3 + 1)
+
+
+def test_autograd_through_native_kernels():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    ref = [p.detach().clone() for p in model.parameters()]
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p, r in zip(cpu_model.parameters(), ref):
+            p.copy_(r)
+    model.to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.1, foreach=False)
+    for step in range(6):
+        x = torch.randn(8, 16)
+        y = torch.randint(0, 4, (8,))
+        for m, o, xx, yy in ((model, opt, x.to("tpu"), y.to("tpu")), (cpu_model, cpu_opt, x, y)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(xx), yy).backward()
+            o.step()
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert _calls("aten.addmm.default") > 0
+
+
+def test_errors_are_pytorch_errors_naming_the_op():
+    x = torch.ones(3, dtype=torch.int64, device="tpu")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="For integral input tensors, argument alpha must not be a floating"):
+            torch.add(x, x, alpha=0.5)
+        with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+            x.add_(torch.ones(3, device="tpu") / 3)
+    assert torch.equal(x.cpu(), torch.ones(3, dtype=torch.int64))  # the failed in-place op lost nothing
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(2, device="tpu") + torch.ones(2)
+    with pytest.raises(RuntimeError):
+        torch.ones(2, 3, device="tpu") @ torch.ones(4, 5, device="tpu")
+
+
+def test_other_modes_and_capture_take_the_python_kernels():
+    x = torch.randn(4, 4, device="tpu")
+    x + x
+    before = _calls("aten.add.Tensor")
+    with torch.tpu.set_eager_mode("defer_and_fuse"):
+        y = x + x
+        z = y + x
+    assert _calls("aten.add.Tensor") == before  # recorded by the fused executor, not run at once
+    torch.testing.assert_close(z.cpu(), 3 * x.cpu())
+
+
+def test_threads_share_the_native_kernels():
+    errors = []
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            a = torch.randn(16, 16, generator=g)
+            t = a.to("tpu")
+            for _ in range(50):
+                t = torch.tanh(t @ t.t() * 0.01 + t)
+                a = torch.tanh(a @ a.t() * 0.01 + a)
+            torch.testing.assert_close(t.cpu(), a, rtol=1e-4, atol=1e-4)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_switched_off_every_op_runs_its_python_kernel():
+    code = ("import torch\nfrom torchtpu.eager import native_kernels as nk\n"
+            "x = torch.ones(3, device='tpu')\nprint(len(nk.REGISTERED), nk.enabled(), (x + x).cpu().tolist())\n")
+    env = {**os.environ, "TORCHTPU_NATIVE_EAGER": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "False", "[2.0,", "2.0,", "2.0]"]
