@@ -50,6 +50,8 @@ PROMPTS = [
     # longer than --max-num-batched-tokens: prefilled in chunks, several blocks moved
     "Aldous was not a young man. His hands had grown slow, but they had not grown careless. "
     "He said that a clock was a patient thing, and that a",
+    # three blocks: the transfer pads block counts to a power of two (scratch block on the decode side)
+    "Nobody in Lower Fenwick could remember a time when the clock on the church tower had stopped",
 ]
 LOADED = re.compile(r"tpu KV transfer: loaded (\d+) blocks \(\d+ KiB\) of (\S+) from")
 
@@ -152,6 +154,7 @@ def test_pd_greedy_equals_hf_and_colocated(pd, hf):
     """Prefill on one server (max_tokens=1, do_remote_decode), decode on the other with the
     parameters the prefill returned: the tokens are Hugging Face's and the decode server's own."""
     prefill, decode, log, _, _ = pd
+    counts = []
     for prompt in PROMPTS:
         _, _, first = complete(prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True})
         params = first.model_extra["kv_transfer_params"]
@@ -160,8 +163,10 @@ def test_pd_greedy_equals_hf_and_colocated(pd, hf):
         assert ids == hf_greedy(hf, prompt_ids)
         blocks = -(-len(prompt_ids) // BLOCK)
         assert loads(log).get(params["remote_request_id"]) == blocks  # every block moved
+        counts.append(blocks)
         _, colocated, _ = complete(decode, prompt)  # the same server without P/D
         assert colocated == ids
+    assert any(n & (n - 1) for n in counts)  # a block count that is not a power of two was padded
 
 
 def test_pd_unknown_prefill_fails_the_request(pd):

@@ -54,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm.logger import init_logger
 
+from torchtpu.serving.buckets import power_of_two_at_least
 from torchtpu.serving.paged_kv import block_slots
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ class TpuTcpConnector(KVConnectorBase_V1):
             if id(cache) not in seen:  # layers that share a cache move it once
                 seen.add(id(cache))
                 self._caches[name] = cache
+        self._device = next(iter(self._caches.values())).device
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -281,8 +283,13 @@ class TpuTcpConnector(KVConnectorBase_V1):
         if not isinstance(meta, TpuTcpConnectorMetadata) or not meta.save:
             return
         for spec in meta.save:
-            slots = block_slots(spec.block_ids, self.block_size).to(next(iter(self._caches.values())).device)
-            layers = {name: cache.index_select(0, slots).cpu() for name, cache in self._caches.items()}
+            # Block counts padded to a power of two (the last block again): each count is an
+            # eager program of its own, and a new one would compile in the middle of serving.
+            n = len(spec.block_ids)
+            padded = spec.block_ids + spec.block_ids[-1:] * (power_of_two_at_least(n) - n)
+            slots = block_slots(padded, self.block_size).to(self._device)
+            rows = n * self.block_size
+            layers = {name: cache.index_select(0, slots).cpu()[:rows] for name, cache in self._caches.items()}
             self._staged.put(spec.request_id, layers)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -304,11 +311,17 @@ class TpuTcpConnector(KVConnectorBase_V1):
                              spec.request_id, spec.host, spec.port, error)
                 self._load_errors.update(spec.local_block_ids)
                 continue
-            slots = block_slots(spec.local_block_ids, self.block_size)
-            device = next(iter(self._caches.values())).device
-            slots = slots.to(device)
+            # Padded to a power of two as in wait_for_save: the extra rows go to the cache's
+            # scratch block (its last), where padded tokens' keys and values go too.
+            n = len(spec.local_block_ids)
+            extra = power_of_two_at_least(n) - n
+            scratch = next(iter(self._caches.values())).shape[0] // self.block_size - 1
+            slots = block_slots(spec.local_block_ids + [scratch] * extra, self.block_size).to(self._device)
             for name, cache in self._caches.items():
-                cache.index_copy_(0, slots, layers[name].to(device))
+                values = layers[name]
+                if extra:
+                    values = torch.cat([values, values.new_zeros((extra * self.block_size, *values.shape[1:]))])
+                cache.index_copy_(0, slots, values.to(self._device))
             logger.info("tpu KV transfer: loaded %d blocks (%d KiB) of %s from %s:%d",
                         len(spec.local_block_ids), sum(t.nbytes for t in layers.values()) >> 10,
                         spec.remote_request_id, spec.host, spec.port)
