@@ -113,8 +113,13 @@ def titan_flops_per_token(flavor: str, seq_len: int) -> tuple[int, float]:
     return base.get_nparams_and_flops(model, seq_len)
 
 
-def analyse(flavor: str, n_layers: int | None, tp: int, batch: int, seq_len: int) -> Program:
-    """Trace, lower and compile one per-chip step program; XLA's cost and memory analysis."""
+def analyse(flavor: str, n_layers: int | None, tp: int, batch: int, seq_len: int, dense: bool = False) -> Program:
+    """Trace, lower and compile one per-chip step program; XLA's cost and memory analysis.
+
+    torchtpu's FlexAttention is blocked (flash-style loops over KV blocks), and XLA's cost analysis
+    counts a loop's body once, so the program's FLOPs miss most of attention's. ``dense``: attention
+    computed densely instead (the BlockMask as a boolean mask, as tools/torchtitan_cpu.py does), every
+    FLOP in straight-line code: for counting, not for memory (it holds the S x S scores)."""
     import jax
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -128,8 +133,14 @@ def analyse(flavor: str, n_layers: int | None, tp: int, batch: int, seq_len: int
     from torchtpu.runtime import dtypes
 
     start = time.perf_counter()
-    # TorchTitan compiles flex_attention itself; traced here, the HOP's dense form is what XLA sees
-    FlexAttention._compiled_flex_attn = staticmethod(flex_attention)
+    # TorchTitan compiles flex_attention itself; traced here, the HOP lowers to torchtpu's kernel
+    if dense:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from torchtitan_cpu import _dense_flex_attention
+
+        FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)
+    else:
+        FlexAttention._compiled_flex_attn = staticmethod(flex_attention)
     _, config = _model_config(flavor, n_layers, tp)
     with torch.device("meta"):
         model = config.build()
@@ -156,7 +167,9 @@ def analyse(flavor: str, n_layers: int | None, tp: int, batch: int, seq_len: int
     graph = GraphFunction(gm)
     structs = [jax.ShapeDtypeStruct(tuple(p.meta["val"].shape), dtypes.to_jax_dtype(p.meta["val"].dtype))
                for p in graph.placeholders]
-    lowered = jax.jit(lambda *inputs: graph(None, list(inputs))).lower(*structs)
+    # a random op (none in a training step; the dense mask's construction may trace one) needs a key
+    key = jax.random.key(0, impl="threefry2x32") if graph.random_ops else None
+    lowered = jax.jit(lambda *inputs: graph(key, list(inputs))).lower(*structs)
     compiled = lowered.compile()
     # FLOPs from the program as traced: XLA:CPU's own passes turn some dots into runtime calls that
     # its cost analysis does not count; bytes accessed after its fusion (closer to a TPU's than the
@@ -264,11 +277,13 @@ def plan_row(chip: chips.Chip, n: int, tp: int, prog: Program, layer_weight_byte
     tp_bytes = per_chip * 4 * layers * 2 * (tp - 1) / tp * activation if tp > 1 else 0.0
     ici = chip.ici_bandwidth * link_efficiency
     fsdp_bw = ici if n <= chip.max_slice_chips else chip.dcn_bandwidth
-    compute = max(per_chip * prog.flops / chip.bf16_flops, per_chip * prog.bytes_accessed / chip.hbm_bandwidth)
+    model_flops = model_flops_per_token * per_chip * batch * seq_len / tp  # per chip
+    # the work is at least TorchTitan's count (XLA's count of the traced program is below it: docs)
+    flops = max(per_chip * prog.flops, model_flops)
+    compute = max(flops / chip.bf16_flops, per_chip * prog.bytes_accessed / chip.hbm_bandwidth)
     fsdp_s, tp_s = fsdp_bytes / fsdp_bw, tp_bytes / ici
     step = max(compute, fsdp_s) + tp_s
-    model_flops = model_flops_per_token * per_chip * batch * seq_len / tp  # per chip
-    return Row(chips=n, tp=tp, fsdp=d, global_batch=d * batch, flops=per_chip * prog.flops, hbm=hbm,
+    return Row(chips=n, tp=tp, fsdp=d, global_batch=d * batch, flops=flops, hbm=hbm,
                fsdp_bytes=fsdp_bytes, tp_bytes=tp_bytes, compute_s=compute, comm_s=fsdp_s + tp_s, step_s=step,
                mfu=model_flops / (step * chip.bf16_flops), fits=hbm <= chip.hbm_bytes)
 
@@ -286,7 +301,9 @@ def assumptions(args, chip: chips.Chip) -> list[str]:
         "per-chip FLOPs: XLA's cost analysis of the per-rank program as lowered; bytes accessed: of that "
         "program compiled for XLA:CPU (TPU fusion differs: an estimate); layers by difference of 1- and "
         "2-layer programs",
-        "compute time: roofline max(FLOPs / peak, bytes / HBM bandwidth), every op at its bound",
+        "compute time: roofline max(FLOPs / peak, bytes / HBM bandwidth), every op at its bound; FLOPs: the "
+        "larger of XLA's count and TorchTitan's (XLA counts a loop body once, and torchtpu's FlexAttention "
+        "loops over KV blocks, so XLA's count misses most attention FLOPs: see --check)",
         f"collectives at {args.link_efficiency:.0%} of the published ICI bandwidth; FSDP over DCN beyond one "
         "slice; FSDP overlapped with compute, TP exposed (no async TP)",
         "HBM: 16 B/parameter / ranks (fp32 weights, fp32 grads, AdamW m and v) + the program's temporaries "
@@ -302,7 +319,12 @@ def _fmt_bytes(b: float) -> str:
 
 
 def plan(args) -> None:
-    chip = chips.chip_by_name(args.chip)
+    for name in args.chip.split(","):
+        plan_chip(args, chips.chip_by_name(name))
+        print()
+
+
+def plan_chip(args, chip: chips.Chip) -> None:
     cache_path = Path(args.cache)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     total_params, flops_per_token = titan_flops_per_token(args.flavor, args.seq_len)
@@ -340,10 +362,11 @@ def plan(args) -> None:
 
 
 def check(args) -> None:
-    """The debug model on one chip: XLA's FLOPs against TorchTitan's count; the layer-difference
-    prediction against the whole program's XLA:CPU figures."""
+    """The debug model on one chip: XLA's FLOPs (attention dense) against TorchTitan's count; the
+    layer-difference prediction against the whole program's XLA:CPU figures."""
     flavor, batch, seq = "debugmodel", args.local_batch, args.seq_len
     params, per_token = titan_flops_per_token(flavor, seq)
+    dense = analyse(flavor, None, 1, batch, seq, dense=True)
     whole = analyse(flavor, None, 1, batch, seq)
     one, two = analyse(flavor, 1, 1, batch, seq), analyse(flavor, 2, 1, batch, seq)
     predicted = extrapolate(one, two, whole.layers)
@@ -351,10 +374,12 @@ def check(args) -> None:
     mem_whole = whole.argument_bytes + whole.output_bytes + whole.temp_bytes
     mem_pred = predicted.argument_bytes + predicted.output_bytes + predicted.temp_bytes
     print(f"# Check: TorchTitan qwen3 {flavor}, {batch} x {seq} tokens, one chip")
-    print(f"| quantity | TorchTitan / whole program | predicted | ratio |")
-    print(f"|---|---|---|---|")
-    print(f"| FLOPs per step: TorchTitan's count vs XLA's (whole program) | {titan:.4e} | {whole.flops:.4e} "
-          f"| {whole.flops / titan:.3f} |")
+    print("| quantity | reference | predicted | ratio |")
+    print("|---|---|---|---|")
+    print(f"| FLOPs per step: TorchTitan's count vs XLA's (whole program, attention dense) | {titan:.4e} "
+          f"| {dense.flops:.4e} | {dense.flops / titan:.3f} |")
+    print(f"| FLOPs per step: the same, torchtpu's blocked attention (loop bodies counted once) | {titan:.4e} "
+          f"| {whole.flops:.4e} | {whole.flops / titan:.3f} |")
     print(f"| FLOPs per step: whole program vs layer difference | {whole.flops:.4e} | {predicted.flops:.4e} "
           f"| {predicted.flops / whole.flops:.3f} |")
     print(f"| memory XLA:CPU allocates (args + outputs + temps) vs layer difference | {mem_whole:.4e} "
@@ -365,7 +390,7 @@ def check(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="8B", help="qwen3 flavor (TorchTitan's qwen3_configs)")
-    parser.add_argument("--chip", default="v7x", help="v5e, v5p, v6e or v7x")
+    parser.add_argument("--chip", default="v7x", help="v5e, v5p, v6e or v7x (several: comma-separated)")
     parser.add_argument("--chips", type=lambda s: [int(x) for x in s.split(",")], default=list(CHIP_COUNTS))
     parser.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--seq-len", type=int, default=4096)
