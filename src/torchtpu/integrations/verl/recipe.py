@@ -45,6 +45,7 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
         "data.filter_overlong_prompts=True", "data.truncation=error", "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # VeRL's default: flash_attention_2
         f"{a}.optim.lr={lr}", f"{a}.ppo_mini_batch_size={prompts_per_step}",
         f"{a}.ppo_micro_batch_size_per_gpu={prompts_per_step * n}", f"{a}.use_kl_loss=False", f"{a}.entropy_coeff=0",
         # FSDP2 on tpu_dist, float32 (the log-prob check compares float32 with float32)
