@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable
 
 TESTED = {"torch": ("2.11", "2.14"), "jax": ("0.10", "0.10")}
@@ -42,21 +41,23 @@ class PrivateAPIError(ImportError):
     """A private name torchtpu uses is missing from the installed torch or jax."""
 
 
-@dataclass(frozen=True)
 class Private:
-    name: str
-    """The name this module gives it."""
-    target: str
-    """``"module"`` or ``"module:attribute.path"``: where it lives."""
-    why: str
-    """Why torchtpu needs it (and why no public API does)."""
-    library: str = "torch"
-    since: str | None = None
-    """First release that has it, where later than ``TESTED[library][0]``."""
-    optional: bool = False
-    """Absent before ``since``: resolves to None there."""
-    adapt: Callable[[Any], Any] | None = None
-    """Turns the object found into what is exported (e.g. a typed ctypes function)."""
+    """One private name: ``name`` (what this module calls it), ``target`` (``"module"`` or
+    ``"module:attribute.path"``: where it lives), ``why`` (why torchtpu needs it, and why no public
+    API does it), ``library``, ``since`` (its first release, where later than
+    ``TESTED[library][0]``), ``optional`` (absent before ``since``: resolves to None there) and
+    ``adapt`` (turns the object found into what is exported, e.g. a typed ctypes function).
+    (A plain class, not a dataclass: the table is built at ``import torch``.)"""
+
+    __slots__ = ("name", "target", "why", "library", "since", "optional", "adapt")
+
+    def __init__(self, name: str, target: str, why: str, library: str = "torch", since: str | None = None,
+                 optional: bool = False, adapt: Callable[[Any], Any] | None = None):
+        self.name, self.target, self.why, self.library = name, target, why, library
+        self.since, self.optional, self.adapt = since, optional, adapt
+
+    def __repr__(self) -> str:
+        return f"Private({self.name!r}, {self.target!r}, {self.versions})"
 
     @property
     def versions(self) -> str:
