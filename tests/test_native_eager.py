@@ -81,7 +81,7 @@ def test_native_equals_python_op_by_op(info):
     """Each sample run natively (its second call, once the signature is learned) equals the Python
     kernel's result exactly: the same program on the same arrays."""
     dtype = torch.float32 if torch.float32 in info.supported_dtypes("cpu") else next(iter(info.supported_dtypes("cpu")))
-    samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))[:4]
+    samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))[:2]
     before = sum(v[0] for v in nk.stats().values())
     compared = 0
     for sample in samples:

@@ -199,29 +199,23 @@ def execute(kernel, fn, dyn, device_index: int | None = None):
     now = current()
     mode = now.mode
     try:
-        if mode is _NEVER or not kernel.lowering.jit:
+        if mode is not _FUSE or not kernel.lowering.jit:
+            for a in dyn:
+                if isinstance(a, Lazy):
+                    # A deferred argument of an op that runs at once: the process default left
+                    # DEFER_AND_FUSE while this op was under way in a context that follows it (its
+                    # arguments were read then), or a data-dependent op reads a recorded value.
+                    dyn = [a.materialize() if isinstance(a, Lazy) else a for a in dyn]
+                    break
+            if mode is _BLOCKING and kernel.lowering.jit:
+                return jax.block_until_ready(fn(*dyn))
             return fn(*dyn)
-        if mode is _BLOCKING:
-            return jax.block_until_ready(fn(*dyn))
         return now.executor.call(fn, *dyn)
     except jax.errors.JaxRuntimeError as exc:
         _op_failed(exc, kernel, device_index)
-    except TypeError:
-        if (mode is _FUSE and kernel.lowering.jit) or not any(isinstance(a, Lazy) for a in dyn):
-            raise
-        # A deferred argument of an op that runs at once: the process default left DEFER_AND_FUSE
-        # while this op was under way in a context that follows it (its arguments were read then).
-        return _at_once(kernel, fn, [a.materialize() if isinstance(a, Lazy) else a for a in dyn], device_index)
     finally:
         if span is not None:
             span.__exit__(None, None, None)
-
-
-def _at_once(kernel, fn, dyn, device_index):
-    try:
-        return fn(*dyn)
-    except jax.errors.JaxRuntimeError as exc:
-        _op_failed(exc, kernel, device_index)
 
 
 def _op_failed(exc, kernel, device_index):

@@ -21,14 +21,13 @@ import warnings
 
 import numpy as np
 import torch
-from jax._src.array import ArrayImpl
 
 from torchtpu import metrics
 from torchtpu.config import config
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, dispatch, modes
 from torchtpu.ops import precision
-from torchtpu.runtime import execution, native
+from torchtpu.runtime import compat, execution, native
 from torchtpu.runtime.dtypes import TORCH_TO_JAX
 
 _KIND = {dispatch._TENSOR: 0, dispatch._LIST: 1, dispatch._SCALAR: 3, dispatch._STATIC: 4}
@@ -45,7 +44,7 @@ def _setup():
     if module is None or not hasattr(module, "native_eager_setup"):
         return None
     module.native_eager_setup({
-        "array_type": ArrayImpl,
+        "array_type": compat.ArrayImpl,
         "laid_out_type": dispatch._LaidOut,
         "override_var": execution._override,
         "execution_globals": vars(execution),
@@ -129,7 +128,7 @@ def _native_views(kernels: dict) -> set:
     for op, kernel in kernels.items():
         if not getattr(kernel, "is_view", False):
             continue
-        if op in primitive or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd") \
+        if op in primitive or compat.dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd") \
                 and op not in (aten.view.dtype,):
             found.add(op)
     return found
