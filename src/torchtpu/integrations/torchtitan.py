@@ -124,8 +124,8 @@ def _wrap_get_peak_flops() -> None:
     if hasattr(original, "__wrapped__"):
         return
 
-    @functools.wraps(original)
     def get_peak_flops(device_name: str) -> float:
+        """TorchTitan's get_peak_flops; for device type tpu, the device's own peak (torchtpu)."""
         if getattr(utils, "device_type", None) != "tpu":
             return original(device_name)
         import torch
@@ -136,6 +136,7 @@ def _wrap_get_peak_flops() -> None:
         _log_peak(props.name, props.peak_flops, props.peak_flops_source)
         return props.peak_flops
 
+    get_peak_flops.__wrapped__ = original  # (not functools.wraps: the replacement names itself)
     utils.get_peak_flops = get_peak_flops
 
 
