@@ -1,7 +1,8 @@
 """Where a GRPO step's time goes on ``tpu``, and rollout tokens/s against Transformers ``generate``.
 
-    tools/verl_env.sh            # the venv (VeRL, vLLM, TRL)
-    $VENV/bin/python benchmarks/rl_step.py [--part trl|verl|both] [--steps 4]
+    tools/verl_env.sh            # the venvs: $VENV (VeRL, vLLM) and $VENV-trl (TRL)
+    $VENV-trl/bin/python benchmarks/rl_step.py --part trl [--steps 4]     # TRL, in the TRL venv
+    $VENV/bin/python benchmarks/rl_step.py --part verl [--steps 4]        # VeRL, in the VeRL venv
 
 Both parts train the tiny random Llama of ``tools/make_tiny_llama.py`` on the toy task
 (``torchtpu.integrations.verl.toy_task``), made in a temporary folder; nothing is downloaded.
@@ -158,17 +159,17 @@ def print_table(rows: dict[str, dict], hf: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="trl", choices=("trl", "verl", "both"))
+    parser.add_argument("--part", default="trl", choices=("trl", "verl"), help="trl: in the TRL venv; verl: in the VeRL venv")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = make_model(work / "model")
         rows, hf = {}, {}
-        if args.part in ("trl", "both"):
+        if args.part == "trl":
             rows["TRL"] = trl_part(model_dir, work, args.steps)
             hf["TRL"] = hf_generate_tokens_per_s(model_dir, rows["TRL"]["sequences"], rows["TRL"]["new_tokens"])
-        if args.part in ("verl", "both"):
+        if args.part == "verl":
             rows["VeRL"] = verl_part(model_dir, work, args.steps)
             hf["VeRL"] = hf_generate_tokens_per_s(model_dir, 16, 8)
             print(f"VeRL: actor vs rollout mean |prob diff| {rows['VeRL']['probs_diff']:.2e}")

@@ -1,7 +1,8 @@
 """Reinforcement learning on ``tpu``: VeRL's platform plugin and TRL's ``GRPOTrainer``.
 
-Needs the venv ``tools/verl_env.sh`` builds (VeRL 0.9.1, vLLM 0.33, TRL 1.16); skipped without
-it. The model is the tiny random Llama of ``tools/make_tiny_llama.py``; the data set is
+Needs the venvs ``tools/verl_env.sh`` builds: the VeRL tests run in its VeRL venv (VeRL 0.9.1,
+vLLM 0.33), the TRL tests in its TRL venv (TRL 1.16; VeRL 0.9.1 cannot share a venv with TRL 1.x);
+each test is skipped, with the reason, where its library is missing. The model is the tiny random Llama of ``tools/make_tiny_llama.py``; the data set is
 ``torchtpu.integrations.verl.toy_task`` (VeRL's GSM8K schema, made locally). Nothing is
 downloaded.
 
@@ -14,6 +15,7 @@ downloaded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,16 +25,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REASON = "the RL venv is not installed (tools/verl_env.sh: VeRL, vLLM and TRL in one venv)"
-verl = pytest.importorskip("verl", reason=REASON)
-trl = pytest.importorskip("trl", reason=REASON)
-pytest.importorskip("vllm", reason=REASON)
-
 from serving_fixtures import model_dir  # noqa: F401  (fixture)
 
-from torchtpu.integrations import trl_grpo
 from torchtpu.integrations.verl import names, toy_task
+
+
+def _installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+needs_verl = pytest.mark.skipif(not _installed("verl", "vllm"), reason=(
+    "VeRL and vLLM are not installed: run this file in the VeRL venv of tools/verl_env.sh"))
+needs_trl = pytest.mark.skipif(not _installed("trl"), reason=(
+    "TRL is not installed: run this file in the TRL venv of tools/verl_env.sh (<venv>-trl)"))
 
 
 def _fresh_verl(code: str, **env) -> dict:
@@ -65,6 +70,7 @@ PLATFORM_REPORT = """
 """
 
 
+@needs_verl
 @pytest.mark.parametrize("selected_by", ["VERL_PLATFORM", "auto-detection"])
 def test_platform_from_the_entry_point(selected_by):
     """``import verl`` loads torchtpu's entry point, which registers ``tpu``; VeRL then answers
@@ -78,6 +84,7 @@ def test_platform_from_the_entry_point(selected_by):
     }
 
 
+@needs_verl
 def test_plugins_off_leaves_verl_without_tpu():
     """``VERL_USE_EXTERNAL_PLUGINS=none`` (VeRL's switch) skips the entry point: ``tpu`` is then
     unknown to VeRL, which shows the platform comes from the entry point and nowhere else."""
@@ -89,6 +96,7 @@ def test_plugins_off_leaves_verl_without_tpu():
     assert "tpu" not in report["names"] and "nvidia" in report["names"]
 
 
+@needs_verl
 def test_toy_rows_read_by_verl_and_scored(tmp_path, model_dir):  # noqa: F811
     """The parquet file in GSM8K's schema goes through VeRL's own RL data set (chat
     messages) and its reward: the toy rule scores a digit, VeRL's GSM8K rule its ``####`` form."""
@@ -115,6 +123,7 @@ def test_toy_rows_read_by_verl_and_scored(tmp_path, model_dir):  # noqa: F811
     assert toy_task.trl_reward([[{"role": "assistant", "content": "a 3"}], "none"]) == [1.0, 0.0]
 
 
+@needs_verl
 def test_checkpoint_engine_moves_tpu_weights_to_every_receiver():
     """torchtpu's checkpoint engine driven as VeRL's ``CheckpointEngineManager`` drives it (prepare,
     build_topology, init_process_group, send/receive, finalize; the registry by backend name):
@@ -163,6 +172,7 @@ def test_checkpoint_engine_moves_tpu_weights_to_every_receiver():
             model[1].weight.add_(1.0)  # a training step's change: the next sync carries it
 
 
+@needs_verl
 def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):  # noqa: F811
     """The recipe's overrides compose with VeRL's own ``ppo_trainer`` config and pass VeRL's
     validation, and say what the recipe promises: GRPO with n > 1, FSDP2 on tpu, a vLLM server
@@ -195,9 +205,12 @@ def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):
     assert Path(config.data.train_files).exists()
 
 
+@needs_trl
 def test_trl_grpo_loss_and_gradients_match_cpu(tmp_path, model_dir):  # noqa: F811
     """TRL's trainer on ``tpu`` generates and scores a batch (Transformers ``generate`` on tpu);
     TRL's GRPO loss of that batch and its gradients equal the same computation on CPU."""
+    from torchtpu.integrations import trl_grpo
+
     run = trl_grpo.train(model_dir, tmp_path, steps=1, device="tpu")
     trainer = run.trainer
     assert run.device == "tpu:0" and len(run.rewards) == 1
@@ -231,10 +244,13 @@ def test_trl_grpo_loss_and_gradients_match_cpu(tmp_path, model_dir):  # noqa: F8
         torch.testing.assert_close(tpu_grads[name], grad, atol=1e-5, rtol=1e-3, msg=name)
 
 
+@needs_trl
 @pytest.mark.slow
 def test_trl_grpo_learns_the_toy_task(tmp_path, model_dir):  # noqa: F811
     """30 GRPO steps of TRL's trainer on ``tpu``: the mean reward rises from the untrained model's
     (about 0.1) to >= 0.8."""
+    from torchtpu.integrations import trl_grpo
+
     run = trl_grpo.train(model_dir, tmp_path, steps=30, device="tpu")
     assert run.device == "tpu:0" and len(run.rewards) == 30
     print("mean reward per step:", [round(r, 3) for r in run.rewards])
@@ -242,6 +258,7 @@ def test_trl_grpo_learns_the_toy_task(tmp_path, model_dir):  # noqa: F811
     assert max(run.rewards[-5:]) >= 0.8 and sum(run.rewards[-5:]) / 5 >= 0.7
 
 
+@needs_verl
 @pytest.mark.slow
 def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: F811
     """VeRL's recipe for 3 steps, the FSDP2 actor and the vLLM rollout on separate ``tpu``

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Build the venv that reinforcement learning on tpu runs in: VeRL (its GRPO recipe, FSDP2 actor,
-# vLLM server-mode rollout, Ray controller) and TRL's GRPOTrainer.
+# Build the venvs that reinforcement learning on tpu runs in: VeRL (its GRPO recipe, FSDP2 actor,
+# vLLM server-mode rollout, Ray controller) in one, TRL's GRPOTrainer in another.
 #
-#   tools/verl_env.sh [VENV_DIR]     default $TORCHTPU_INTEGRATION_CACHE/verl
+#   tools/verl_env.sh [VENV_DIR]     default $TORCHTPU_INTEGRATION_CACHE/verl, and VENV_DIR-trl
 #                                    ($TORCHTPU_INTEGRATION_CACHE: ~/.cache/torchtpu-integration)
 #
-# One venv, because VeRL's rollout runs vLLM inside VeRL's own processes. Their pins do not
+# TRL has its own venv: VeRL 0.9.1 imports trl's AutoModelForCausalLMWithValueHead whenever trl
+# is installed (its model patching, even for GRPO), which TRL 1.x no longer has (VeRL's own
+# extra pins trl 0.27). TRL 1.16 needs only transformers, accelerate and datasets: the TRL venv
+# is the interpreter's packages (--system-site-packages) plus trl and torchtpu editable.
+#
+# VeRL and vLLM share a venv, because VeRL's rollout runs vLLM inside VeRL's own processes. Their pins do not
 # meet: verl 0.9.1 asks for transformers>=5.5.3,<5.11 (and its [vllm] extra for vllm==0.24.0,
 # torch==2.11.0), while the vLLM that torchtpu's platform plugin supports (0.33) asks for
 # transformers>=5.16.1. vLLM's pin wins: its model code imports what that transformers has,
@@ -13,9 +18,8 @@
 # so verl is installed with --no-deps and its requirements are listed here without the
 # transformers bound. The rest as tools/vllm_env.sh does: --system-site-packages (the
 # interpreter's torch and jax, held by a constraints file), vllm --no-deps and the
-# pure-Python packages it needs (the list is read from tools/vllm_env.sh, one source), then
-# trl, and this checkout of torchtpu (editable: its vllm.platform_plugins and verl.plugins
-# entry points).
+# pure-Python packages it needs (the list is read from tools/vllm_env.sh, one source), and this
+# checkout of torchtpu (editable: its vllm.platform_plugins and verl.plugins entry points).
 #
 # Environment: PYTHON (the interpreter to build the venv from; default python3).
 set -euo pipefail
@@ -54,16 +58,24 @@ for name in ('torch', 'jax', 'jaxlib', 'numpy'): print(f'{name}=={m.version(name
 quiet() { "$@" 2> >(grep -v "^WARNING: Location .* is ignored" >&2); }
 PIP=(quiet "$VPY" -m pip install -q -c "$CONSTRAINTS")
 "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION" "verl==$VERL_VERSION"
-"${PIP[@]}" "${VLLM_DEPS[@]}" "${VERL_DEPS[@]}" "trl==$TRL_VERSION"
+"${PIP[@]}" "${VLLM_DEPS[@]}" "${VERL_DEPS[@]}"
 "${PIP[@]}" --no-deps "torchvision==0.29.0"
 "${PIP[@]}" --no-deps -e "$REPO"
 
 "$VPY" - <<'PY'
 import importlib.metadata as md
-import trl, vllm.entrypoints.openai.api_server  # noqa: F401,E401  (fail here)
+import vllm.entrypoints.openai.api_server  # noqa: F401  (fail here)
 import verl
 from verl.utils.device import get_device_name, get_nccl_backend, get_resource_name
-print(", ".join(f"{n} {md.version(n)}" for n in ("verl", "vllm", "trl", "transformers", "ray", "tensordict")),
+print(", ".join(f"{n} {md.version(n)}" for n in ("verl", "vllm", "transformers", "ray", "tensordict")),
       f"| verl platform: device {get_device_name()}, backend {get_nccl_backend()}, Ray resource {get_resource_name()}")
 PY
-echo "Ready: $VPY -m pytest tests/test_rl.py   (VERL_PLATFORM=tpu comes from torchtpu's verl.plugins entry point)"
+
+TRL_VENV=$VENV-trl
+"$PYTHON" -m venv --system-site-packages "$TRL_VENV"
+cp "$CONSTRAINTS" "$TRL_VENV/interpreter-constraints.txt"
+quiet "$TRL_VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "trl==$TRL_VERSION"
+quiet "$TRL_VENV/bin/python" -m pip install -q --no-deps -e "$REPO"
+"$TRL_VENV/bin/python" -c "import importlib.metadata as md, trl  # noqa: F401
+print(', '.join(f'{n} {md.version(n)}' for n in ('trl', 'transformers', 'accelerate', 'datasets')))"
+echo "Ready: $VPY -m pytest -n 0 tests/test_rl.py (VeRL), $TRL_VENV/bin/python -m pytest -n 0 tests/test_rl.py (TRL)"
