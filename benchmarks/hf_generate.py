@@ -4,7 +4,9 @@ A random Llama (4 layers, d 256, 8 heads, 4 KV heads, vocab 4096) decodes greedi
 and 8. Four rows per batch, timed in turns (round after round, each row once per round, so a
 busy spell on a shared machine hits them all alike):
 
-- ``tpu eager``: the default dynamic cache, every op eager on ``tpu``;
+- ``tpu eager``: the default dynamic cache, every op eager on ``tpu`` (the common ops through the
+  native eager kernel, ``csrc/eager.cpp``);
+- ``tpu eager python``: the same with the native kernel switched off (every op's Python kernel);
 - ``tpu static+compile``: ``cache_implementation="static"``; Transformers compiles the decode
   step itself, with the ``"tpu"`` backend;
 - ``cpu eager``: PyTorch on the CPU, dynamic cache;
@@ -25,7 +27,9 @@ import time
 import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
-ROWS = ["tpu eager", "tpu static+compile", "cpu eager", "cpu static+inductor"]
+from torchtpu.eager import native_kernels
+
+ROWS = ["tpu eager", "tpu eager python", "tpu static+compile", "cpu eager", "cpu static+inductor"]
 REFERENCE = "cpu static+inductor"
 
 
@@ -53,7 +57,17 @@ def generate_fn(row: str, models: dict):
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
         return out.cpu()  # waits for the device
-    return run
+
+    if row != "tpu eager python":
+        return run
+
+    def run_python(ids: torch.Tensor, new: int) -> torch.Tensor:
+        native_kernels.set_enabled(False)
+        try:
+            return run(ids, new)
+        finally:
+            native_kernels.set_enabled(True)
+    return run_python
 
 
 def timed(fn, *args) -> float:

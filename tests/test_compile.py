@@ -94,9 +94,15 @@ def test_default_backend_routes_cpu_graphs_to_inductor(monkeypatch):
 
 
 @needs_settable_default
-def test_inductor_on_tpu_names_the_tpu_backend():
-    with pytest.raises(Exception, match='backend="tpu"'):
-        torch.compile(lambda t: t * 3, backend="inductor")(tpu(torch.randn(4)))
+def test_explicit_inductor_on_tpu_compiles_with_the_tpu_backend(caplog):
+    from torchtpu.compile import routing
+
+    routing._log_inductor_rerouted.cache_clear()
+    x = torch.randn(4)
+    with caplog.at_level("WARNING", logger="torchtpu.compile"):
+        out = torch.compile(lambda t: t * 3, backend="inductor")(tpu(x))
+    assert_close(out.cpu(), x * 3)
+    assert sum('backend="inductor") was given a graph on tpu' in r.getMessage() for r in caplog.records) == 1
 
 
 def test_graph_break_runs_eager_tpu(no_fallback):

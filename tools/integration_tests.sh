@@ -2,11 +2,11 @@
 # The integration tier: each integration's environment, then a representative selection of its
 # tests in it. What CI runs after the default suite (.ci/run); a user can run the same.
 #
-#   tools/integration_tests.sh [PART...]           parts: vllm sglang extras torchtitan (default: all)
+#   tools/integration_tests.sh [PART...]           parts: vllm sglang extras torchtitan rl (default: all)
 #   tools/integration_tests.sh --build [PART...]   only build (or reuse) the parts' venvs, all at once
 #
 # Environments: tools/vllm_env.sh, tools/sglang_env.sh, tools/extras_env.sh (Transformers,
-# Diffusers, LiteRT, Ray) and tools/torchtitan_env.sh build one venv each under
+# Diffusers, LiteRT, Ray), tools/torchtitan_env.sh and tools/verl_env.sh (part rl) build one venv each under
 # $TORCHTPU_INTEGRATION_CACHE (default ~/.cache/torchtpu-integration). A venv is reused while
 # its inputs are unchanged: the builder script, the interpreter's Python, torch and jax versions,
 # and, for the extras, pyproject.toml's optional dependencies (a stamp file holds their hash);
@@ -49,6 +49,15 @@ VLLM_TESTS=(
     "$T/test_vllm.py::test_server_runs_the_compiled_forward"
     "$T/test_vllm.py::test_server_64_concurrent_requests_none_dropped_or_corrupted"
     "$T/test_vllm.py::test_server_rejects_bad_requests_and_keeps_serving"
+    # several replicas behind vllm-router (issue 30): greedy = HF through the router, the
+    # metrics contract under load, KV events, sessions, failover (one replica SIGKILLed)
+    "$T/test_routing.py"
+    # prefill/decode disaggregation: the KV moved between two servers by TpuTcpConnector, greedy
+    # = HF = colocated, and through vllm-router's P/D mode
+    "$T/test_pd.py::test_staged_blocks_are_served_once_by_range"
+    "$T/test_pd.py::test_pd_greedy_equals_hf_and_colocated"
+    "$T/test_pd.py::test_pd_unknown_prefill_fails_the_request"
+    "$T/test_pd.py::test_pd_through_vllm_router"
 )
 SGLANG_TESTS=(
     "$T/test_engine_contracts.py::test_sglang_contract"
@@ -71,7 +80,19 @@ EXTRAS_TESTS=(
     "$T/test_ray.py::test_cpu_task_feeds_a_tpu_task"
 )
 # test_torchtitan.py is marked slow: -m slow selects it
-TORCHTITAN_TESTS=("$T/test_torchtitan.py::test_llama3_debugmodel_single_device_matches_cpu")
+TORCHTITAN_TESTS=("$T/test_torchtitan.py::test_llama3_debugmodel_single_device_matches_cpu"
+                  # --compile.enable on tpu (two compiled steps against the eager losses)
+                  "$T/test_torchtitan_compile.py::test_compiled_two_steps_match_eager")
+# reinforcement learning (issue 31): VeRL's tpu platform and checkpoint engine, TRL's GRPO on tpu
+RL_TESTS=(
+    "$T/test_rl.py::test_platform_from_the_entry_point[VERL_PLATFORM]"
+    "$T/test_rl.py::test_platform_from_the_entry_point[auto-detection]"
+    "$T/test_rl.py::test_plugins_off_leaves_verl_without_tpu"
+    "$T/test_rl.py::test_toy_rows_read_by_verl_and_scored"
+    "$T/test_rl.py::test_checkpoint_engine_moves_tpu_weights_to_every_receiver"
+    "$T/test_rl.py::test_recipe_config_is_verls_grpo_with_separate_devices"
+    "$T/test_rl.py::test_trl_grpo_loss_and_gradients_match_cpu"
+)
 
 # ------------------------------------------------------------------ helpers
 declare -a REPORT=()
@@ -177,6 +198,7 @@ part_vllm() { build_part vllm && run_tests vllm "${VLLM_TESTS[@]}"; }
 part_sglang() { build_part sglang && run_tests sglang "${SGLANG_TESTS[@]}"; }
 part_extras() { build_part extras && run_tests extras "${EXTRAS_TESTS[@]}"; }
 part_torchtitan() { build_part torchtitan && run_tests torchtitan -m slow "${TORCHTITAN_TESTS[@]}"; }
+part_rl() { build_part rl && run_tests verl "${RL_TESTS[@]}"; }
 
 BUILD_ONLY=0
 if [[ ${1:-} == --build ]]; then
@@ -184,11 +206,11 @@ if [[ ${1:-} == --build ]]; then
     shift
 fi
 PARTS=("$@")
-(( ${#PARTS[@]} )) || PARTS=(vllm sglang extras torchtitan)
+(( ${#PARTS[@]} )) || PARTS=(vllm sglang extras torchtitan rl)
 for part in "${PARTS[@]}"; do
     case $part in
-        vllm|sglang|extras|torchtitan) ;;
-        *) echo "unknown part: $part (vllm sglang extras torchtitan)" >&2; exit 2 ;;
+        vllm|sglang|extras|torchtitan|rl) ;;
+        *) echo "unknown part: $part (vllm sglang extras torchtitan rl)" >&2; exit 2 ;;
     esac
 done
 
@@ -197,6 +219,7 @@ build_part() {  # the venv of one part (what part_<name> builds before its tests
         vllm) ensure_env vllm tools/vllm_env.sh ;;
         sglang) ensure_env sglang tools/sglang_env.sh ;;
         torchtitan) ensure_env torchtitan tools/torchtitan_env.sh ;;
+        rl) ensure_env verl tools/verl_env.sh ;;
         extras) ensure_env extras tools/extras_env.sh "$("$PYTHON" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'])")" ;;
     esac
 }
