@@ -371,3 +371,17 @@ def test_inference_mode_views_of_normal_tensors():
         out = linear(x)
     assert not view.is_inference() and out.is_inference()  # as on the CPU
     torch.testing.assert_close(out.cpu(), linear.cpu()(x.cpu()).detach())
+
+
+def test_buffer_donation_refcount_rule_holds_on_this_interpreter():
+    """Donation decides "nothing else holds this array" by sys.getrefcount at the call site
+    (device/bridge.py: SOLE_OWNER_REFS); a new interpreter that counts otherwise must fail here,
+    not corrupt a shared buffer."""
+    from torchtpu.device import bridge
+
+    assert bridge.sole_owner_refs_hold()
+    x = torch.zeros(64, device="tpu")
+    array = x.untyped_storage()._jax
+    import sys
+
+    assert sys.getrefcount(array) == bridge.SOLE_OWNER_REFS  # the storage, this local, the argument

@@ -39,11 +39,7 @@ from torchtpu.runtime import placement, rng, state
 from torchtpu.runtime.compat import ArrayImpl
 
 _names = itertools.count()
-# References an array held only by its storage has when counted in ``_read``: the storage's
-# attribute dict, ``_read``'s local and getrefcount's own argument. It is counted there, not in a
-# helper: while dynamo's frame hook (PEP 523) is installed, a Python call keeps one more reference
-# to its arguments on the caller's stack, which made every buffer of a fullgraph step look shared.
-_SOLE_OWNER_REFS = 3
+_SOLE_OWNER_REFS = bridge.SOLE_OWNER_REFS  # counted in ``_read`` itself (see its comment)
 
 
 @dataclass(frozen=True)

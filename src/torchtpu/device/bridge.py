@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import sys
 import threading
 
 import jax
@@ -163,6 +164,28 @@ def use_native_addresses(reserve, set_next) -> None:
     with _address_lock:
         set_next(_next_address)
         _native_reserve = reserve
+
+
+# Buffer donation hands an array's memory to XLA, so only an array that nothing but its storage
+# holds may be donated (eager in-place ops, compiled graphs' mutated inputs, captured steps). The
+# test is ``sys.getrefcount(array) <= SOLE_OWNER_REFS`` taken at the call site: the storage's
+# attribute dict, the caller's local and getrefcount's own argument. It is counted there, not in a
+# helper: while dynamo's frame hook (PEP 523) is installed, a Python call keeps one more reference
+# to its arguments on the caller's stack, which made every buffer of a fullgraph step look shared.
+SOLE_OWNER_REFS = 3
+
+
+def sole_owner_refs_hold() -> bool:
+    """Whether this interpreter counts ``SOLE_OWNER_REFS`` references to an object held only by an
+    instance's attribute and one local (what the donation sites assume)."""
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.value = object()
+    local = holder.value
+    return sys.getrefcount(local) == SOLE_OWNER_REFS
 
 
 def reserve_address(nbytes: int) -> int:

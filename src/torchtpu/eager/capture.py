@@ -270,8 +270,7 @@ class CapturedProgram:
             if array.__class__ is not ArrayImpl or array.shape != shape or array.dtype != dtype:
                 array = self._storage_array(ref, shape, dtype)
             if donate:
-                # the storage's attribute, this local and getrefcount's argument
-                sole = sole and sys.getrefcount(array) <= 3 and id(array) not in seen
+                sole = sole and sys.getrefcount(array) <= bridge.SOLE_OWNER_REFS and id(array) not in seen
                 seen.add(id(array))
             args[slot] = array
         return args, sole, seen

@@ -43,9 +43,7 @@ _TENSOR, _LIST, _INDICES, _SCALAR, _STATIC = range(5)
 _PY_SCALARS = (bool, int, float, complex)
 _PLAIN_TENSOR = torch.Tensor
 _op_counts = metrics.ops  # metrics.count_op, inlined on the hot path
-# References an array held only by its storage has when counted in ``Kernel.run_inplace``: the
-# storage's attribute dict, the local and getrefcount's own argument (as in compile/executable.py).
-_SOLE_OWNER_REFS = 3
+_SOLE_OWNER_REFS = bridge.SOLE_OWNER_REFS  # (counted at the call site: see its comment)
 _NOT_DONATABLE = object()  # cached for a key whose result is not the target's shape and dtype
 
 
