@@ -32,8 +32,6 @@ LIBRARIES = ("torch", "jax", "jaxlib")
 # may go down (lower it), never up. Being rewritten or edited elsewhere now:
 NOT_MIGRATED_YET = {
     "device/bridge.py": 5,  # DispatchKey(Set), _acc.create_empty_tensor, storage constructor, set_'s _handle
-    "eager/dispatch.py": 2,  # jax._src.array.ArrayImpl, torch._ops.OpOverload
-    "eager/register.py": 3,  # torch._ops.OpOverload, torch._C._dispatch_*
     "compile/routing.py": 3,  # torch._TorchCompileInductorWrapper, dynamo's registry, Inductor's config
     "distributed/backend.py": 2,  # torch._C._distributed_c10d.Backend, _create_work_from_future
     "distributed/programs.py": 1,  # jax._src.array.ArrayImpl

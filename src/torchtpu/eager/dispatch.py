@@ -25,10 +25,8 @@ import sys
 import warnings
 
 import jax
-from jax._src.array import ArrayImpl
 import numpy as np
 import torch
-from torch._ops import OpOverload
 
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, modes
@@ -36,6 +34,7 @@ from torchtpu.eager.views import resize
 from torchtpu.ops import checks, precision
 from torchtpu.ops.registry import Lowering
 from torchtpu.runtime import placement, platform, rng, state
+from torchtpu.runtime.compat import ArrayImpl, OpOverload
 from torchtpu.runtime.dtypes import TORCH_TO_JAX, scalar_type_name, to_torch_dtype
 from torchtpu import caches, metrics
 

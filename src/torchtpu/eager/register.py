@@ -4,13 +4,13 @@ transfer kernels, and the boxed fallback, all on the ``tpu`` (PrivateUse1) dispa
 from __future__ import annotations
 
 import torch
-from torch._ops import OpOverload
 
 from torchtpu import metrics, patches
 from torchtpu.device import registration
 from torchtpu.eager import argument_errors, attention, dispatch, fallback, fused, modes, native_kernels, transfer, views
 from torchtpu.ops import checks, foreach, registry
 from torchtpu.runtime import state, streams
+from torchtpu.runtime.compat import OpOverload, dispatch_get_all_op_names, dispatch_has_kernel_for_dispatch_key
 
 aten = torch.ops.aten
 _libs: list[torch.library.Library] = []
@@ -52,7 +52,7 @@ def _composite(op: OpOverload) -> bool:
     try:
         # the C++ registration only: Python decompositions registered for tracing (py_impl, e.g.
         # native_batch_norm's) do not run in eager and must not cost the op its kernel
-        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        return dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
     except RuntimeError:  # an overload only Python knows of (no dispatcher entry): not composite
         return False
 
@@ -114,7 +114,7 @@ _FACTORY_OUTS = {
 def _foreach_kernels() -> dict[OpOverload, object]:
     """One kernel per ``_foreach_*`` overload (functional and in-place) whose per-tensor op is lowered."""
     found: dict[OpOverload, object] = {}
-    names = sorted({n[len("aten::"):].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+    names = sorted({n[len("aten::"):].split(".")[0] for n in dispatch_get_all_op_names()
                     if n.startswith("aten::_foreach_")})
     for name in names:
         packet = getattr(aten, name)
