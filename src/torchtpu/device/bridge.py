@@ -24,14 +24,14 @@ from jax import lax
 import numpy as np
 import torch
 
-from torchtpu.runtime import errors, placement
+from torchtpu.runtime import compat, errors, placement
 from torchtpu.runtime.execution import current
 from torchtpu.runtime.dtypes import JAX_TO_TORCH, TORCH_TO_JAX, convert, to_jax_dtype
 
-_create_empty = torch._C._acc.create_empty_tensor
-_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
-_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+_create_empty = compat.create_empty_tensor
+_META = compat.DispatchKeySet(compat.DispatchKey.Meta)
+_CPU = compat.DispatchKeySet(compat.DispatchKey.CPU)
+_set_storage = compat.set_storage_below_backend
 
 ATTR = "_jax"
 
@@ -127,10 +127,7 @@ def _device_template(index: int, dtype: torch.dtype = torch.float32) -> torch.Te
     managed.dl_tensor.dtype = _dl_dtype(dtype)
     managed.dl_tensor.shape = shape
     _KEEP_ALIVE.append((managed, shape))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    capsule = compat.new_capsule(ctypes.addressof(managed), b"dltensor", None)
     return torch.from_dlpack(capsule)
 
 
@@ -245,7 +242,7 @@ def _resize_flat(shape, dtype, nbytes: int):
     return jax.jit(resize)
 
 
-_new_storage = torch._C._construct_storage_from_data_pointer
+_new_storage = compat.construct_storage_from_data_pointer
 
 
 def _shell(dtype: torch.dtype, index: int) -> torch.Tensor:
