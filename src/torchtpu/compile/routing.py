@@ -20,6 +20,9 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
+from torchtpu.runtime import compat
+
+
 def on_tpu(gm: GraphModule, example_inputs) -> bool:
     """Whether the graph computes on ``tpu`` (an input, or a value it makes, is a tpu tensor)."""
     if any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs):
@@ -47,21 +50,17 @@ def _without_inductor_options(options: dict[str, Any] | None) -> dict[str, Any] 
     e.g. ``max_autotune``), so they are dropped rather than handed to XLA as unknown options."""
     if not options:
         return options
-    from torch._inductor import config as inductor_config
-
-    inductor_keys = inductor_config.get_config_copy().keys()
+    inductor_keys = compat.inductor_config.get_config_copy().keys()
     return {k: v for k, v in options.items() if k not in inductor_keys}
 
 
 def _inductor(mode, options) -> Callable:
-    return torch._TorchCompileInductorWrapper(mode, options, None)
+    return compat.TorchCompileInductorWrapper(mode, options, None)
 
 
 def _default_settable() -> bool:
     """Whether dynamo's default backend can be set: torch >= 2.13 (``set_default_backend``)."""
-    from torch._dynamo.backends import registry
-
-    return hasattr(registry, "set_default_backend")
+    return compat.set_default_backend is not None
 
 
 def _guarded_inductor_call(original: Callable) -> Callable:
@@ -95,33 +94,29 @@ def set_default() -> bool:
     """Patch ``dynamo.default_backend`` (``torchtpu.patches``): torch.compile's default backend
     becomes the router (a default the user chose is kept; torch 2.11/2.12 cannot set it, and there
     the Inductor wrapper routes: ``_guarded_inductor_call``)."""
-    from torch._dynamo.backends import registry
-
     if not _default_settable():
         return False
-    if registry.get_default_backend() == "inductor":
-        registry.set_default_backend(default_backend)
-    return registry.get_default_backend() is default_backend
+    if compat.get_default_backend() == "inductor":
+        compat.set_default_backend(default_backend)
+    return compat.get_default_backend() is default_backend
 
 
 def reset_default() -> None:
-    from torch._dynamo.backends import registry
-
-    if registry.get_default_backend() is default_backend:
-        registry.set_default_backend(None)
+    if _default_settable() and compat.get_default_backend() is default_backend:
+        compat.set_default_backend(None)
 
 
 def guard_inductor() -> bool:
     """Patch ``inductor.tpu_guard``: Inductor given tpu tensors hands the graph to the tpu backend
     (logging one line where the choice was explicit, torch >= 2.13)."""
-    wrapper = torch._TorchCompileInductorWrapper
+    wrapper = compat.TorchCompileInductorWrapper
     if not hasattr(wrapper.__call__, "__wrapped__"):
         wrapper.__call__ = _guarded_inductor_call(wrapper.__call__)
     return True
 
 
 def unguard_inductor() -> None:
-    wrapper = torch._TorchCompileInductorWrapper
+    wrapper = compat.TorchCompileInductorWrapper
     original = getattr(wrapper.__call__, "__wrapped__", None)
     if original is not None:
         wrapper.__call__ = original
