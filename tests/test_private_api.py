@@ -31,7 +31,6 @@ LIBRARIES = ("torch", "jax", "jaxlib")
 # Files not moved to compat yet, and how many distinct private names each still uses: a count
 # may go down (lower it), never up. Being rewritten or edited elsewhere now:
 NOT_MIGRATED_YET = {
-    "device/bridge.py": 5,  # DispatchKey(Set), _acc.create_empty_tensor, storage constructor, set_'s _handle
     "distributed/backend.py": 2,  # torch._C._distributed_c10d.Backend, _create_work_from_future
     "distributed/programs.py": 1,  # jax._src.array.ArrayImpl
     "integrations/sglang/graph_runner.py": 2,  # torch._dynamo.utils.counters, torch._dynamo.config
