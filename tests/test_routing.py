@@ -249,15 +249,16 @@ def test_failover_replica_killed_under_load(fleet, hf):  # noqa: F811
             return ids
 
         def stream(i):
-            chunks = 0
+            tokens = 0
             try:
-                for _ in client(router.url, timeout=90).completions.create(
+                for chunk in client(router.url, timeout=90).completions.create(
                         model="tiny", prompt=text(900 + i, 20), max_tokens=60, temperature=0, stream=True,
-                        extra_body={"ignore_eos": True}):
-                    chunks += 1
-                stream_results.append(("finished", chunks))
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+                    if chunk.usage:
+                        tokens = chunk.usage.completion_tokens
+                stream_results.append(("finished", tokens))
             except Exception as e:  # noqa: BLE001  (the dead replica's stream ends with an error)
-                stream_results.append((type(e).__name__, chunks))
+                stream_results.append((type(e).__name__, tokens))
 
         with ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(stream, i) for i in range(2)]
@@ -269,6 +270,8 @@ def test_failover_replica_killed_under_load(fleet, hf):  # noqa: F811
             for f in streams:
                 f.result(timeout=120)  # a hang fails here
         assert len(stream_results) == 2
+        for status, tokens in stream_results:  # a stream cut short says so: never a silent truncation
+            assert status != "finished" or tokens == 60, stream_results
         for i, (prompt_ids, ids) in enumerate(results):
             key = tuple(prompt_ids)
             refs.setdefault(key, hf_greedy(hf, prompt_ids, 6))
