@@ -262,10 +262,14 @@ class TpuTcpConnector(KVConnectorBase_V1):
         try:
             layers = fetch_blocks(spec.host, spec.port, spec.remote_request_id, spec.first_block,
                                   len(spec.local_block_ids))
-            missing = set(self._caches) - set(layers)
-            if missing:
-                raise RuntimeError(f"tpu KV transfer: the producer sent no KV for layers "
-                                   f"{sorted(missing)} (different models?)")
+            rows = len(spec.local_block_ids) * self.block_size
+            for name, cache in self._caches.items():
+                got = layers.get(name)
+                if got is None or got.dtype != cache.dtype or tuple(got.shape) != (rows, *cache.shape[1:]):
+                    raise RuntimeError(
+                        f"tpu KV transfer: the producer's KV for layer {name} is "
+                        f"{None if got is None else (got.dtype, tuple(got.shape))}, this cache wants "
+                        f"{(cache.dtype, (rows, *cache.shape[1:]))} (another model, dtype or block size?)")
             self._fetched.put((spec, layers, None))
         except Exception as e:  # noqa: BLE001  (reported to the scheduler as a failed load)
             self._fetched.put((spec, None, e))
