@@ -56,6 +56,8 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
         f"{r}.dtype=float32", f"{r}.gpu_memory_utilization=0.2", f"{r}.max_model_len=128",
         f"{r}.max_num_seqs={prompts_per_step * n}", f"{r}.max_num_batched_tokens=512", f"{r}.enforce_eager=True",
         f"{r}.load_format=auto", f"{r}.calculate_log_probs=True", f"{r}.agent.num_workers=1",
+        # vLLM's sleep mode is CUDA's memory pool (a colocated engine's); the rollout keeps its device
+        f"+{r}.enable_sleep_mode=False", f"{r}.free_cache_engine=False",
         f"{r}.log_prob_micro_batch_size_per_gpu={prompts_per_step * n}",
         f"{r}.nnodes=1", f"{r}.n_gpus_per_node={rollout_devices}",
         f"{r}.checkpoint_engine.backend=tpu", f"{r}.checkpoint_engine.custom_backend_module={CHECKPOINT_ENGINE_MODULE}",
