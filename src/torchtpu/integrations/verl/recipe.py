@@ -91,7 +91,10 @@ def environment() -> dict[str, str]:
            # VeRL registers its FSDP/FSDP2 engines for the devices "cuda" and "npu" only;
            # VERL_ENGINE_DEVICE is VeRL's switch to take another device's engine. The engine's
            # device work goes through the platform (tpu), whatever name selected it.
-           "VERL_ENGINE_DEVICE": "cuda"}
+           "VERL_ENGINE_DEVICE": "cuda",
+           # VeRL 0.9.1's separate_async trainer, with hybrid_engine=False, logs at INFO with
+           # logger.info(..., flush=True), a TypeError; at WARN level that line is not formatted
+           "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN")}
     if env.get("TORCHTPU_PLATFORM") == "cpu":  # each worker process drives one device
         env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                     if not f.startswith("--xla_force_host_platform_device_count"))
