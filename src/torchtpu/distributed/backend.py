@@ -198,8 +198,11 @@ class ProcessGroupTPU(Backend):
         index, self._checks = self._checks, self._checks + 1
         signature = repr(key)
         me = self.rank()
-        self._store.set(f"torchtpu/check/{index}/{me}", signature)
-        keys = [f"torchtpu/check/{index}/{r}" for r in range(self.size())]
+        # the keys name torchrun's restart: a restarted group may get the same store (the agent's),
+        # where the previous attempt's signatures for the same index are still set
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store.set(f"torchtpu/check/{attempt}/{index}/{me}", signature)
+        keys = [f"torchtpu/check/{attempt}/{index}/{r}" for r in range(self.size())]
         try:
             self._store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
         except Exception as exc:
