@@ -93,7 +93,7 @@ SETTINGS = [
             "run ops without a lowering on the CPU (with a warning) instead of raising"),
     Setting("require_native", "TORCHTPU_REQUIRE_NATIVE", _bool, lambda: False,
             "fail instead of warning when the C++ hooks cannot be built (CI sets it)"),
-    Setting("native_eager", "TORCHTPU_NATIVE_EAGER", _bool, lambda: False,
+    Setting("native_eager", "TORCHTPU_NATIVE_EAGER", _bool, lambda: True,
             "run the common eager ops through the C++ kernel (`csrc/eager.cpp`); 0: every op through its Python "
             "kernel (the reference path)"),
     Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
