@@ -30,14 +30,7 @@ LIBRARIES = ("torch", "jax", "jaxlib")
 
 # Files not moved to compat yet, and how many distinct private names each still uses: a count
 # may go down (lower it), never up. Being rewritten or edited elsewhere now:
-NOT_MIGRATED_YET = {
-    "distributed/backend.py": 2,  # torch._C._distributed_c10d.Backend, _create_work_from_future
-    "distributed/programs.py": 1,  # jax._src.array.ArrayImpl
-    "integrations/sglang/graph_runner.py": 2,  # torch._dynamo.utils.counters, torch._dynamo.config
-    "integrations/sglang/parallel.py": 2,  # torch.distributed._functional_collectives
-    "integrations/vllm/compiler.py": 1,  # torch._functorch.config
-    "tpu_module.py": 1,  # torch._disable_dynamo
-}
+NOT_MIGRATED_YET: dict[str, int] = {}
 
 
 def _private(parts: list[str]) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchtpu.runtime import rng, state
+from torchtpu.runtime import compat, rng, state
 
 # name -> (module, attribute; None for the module itself), imported on first access
 _LAZY: dict[str, tuple[str, str | None]] = {
@@ -111,7 +111,7 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 # fake the state tensor. Dynamo graph-breaks on torch.cuda's (trace_rules) and on
 # torch.manual_seed (torch._disable_dynamo); ours take the latter: they run eagerly, in order.
 # Its cost: the first call imports torch._dynamo (2 s) if nothing has yet, as torch.manual_seed's does.
-_host_side = torch._disable_dynamo
+_host_side = compat.disable_dynamo
 
 
 @_host_side

@@ -30,7 +30,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import torch
-from torch._C._distributed_c10d import Backend, _create_work_from_future
+from torchtpu.runtime.compat import C10dBackend as Backend, create_work_from_future as _create_work_from_future
 
 from torchtpu import metrics
 from torchtpu.device import bridge
@@ -89,7 +89,7 @@ def _store(t: torch.Tensor, value: jax.Array) -> None:
     bridge.write(t, value.reshape(t.shape) if tuple(value.shape) != tuple(t.shape) else value)
 
 
-def _done(result) -> "torch._C._distributed_c10d.Work":
+def _done(result) -> "torch.distributed.Work":
     future = torch.futures.Future()
     future.set_result(result)
     return _create_work_from_future(future)

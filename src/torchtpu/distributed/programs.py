@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.array import ArrayImpl
+from torchtpu.runtime.compat import ArrayImpl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = "ranks"

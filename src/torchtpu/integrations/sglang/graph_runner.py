@@ -24,7 +24,7 @@ import bisect
 import logging
 
 import torch
-from torch._dynamo.utils import counters
+from torchtpu.runtime.compat import dynamo_config, dynamo_counters as counters
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.forward_context import forward_context, get_forward_context
 from sglang.srt.runtime_context import get_exec
@@ -82,7 +82,7 @@ class TpuGraphRunner:
         backend.init_forward_metadata(batch)
         key = (self.bs, backend.forward_metadata.shape)
         with forward_context(get_forward_context(), forward_batch=batch), \
-                torch._dynamo.config.patch(recompile_limit=self._recompile_limit):
+                dynamo_config.patch(recompile_limit=self._recompile_limit):
             out = self._compiled(batch.input_ids, batch.positions, batch)
         if key not in self.shapes:  # its program was compiled by the call above
             self.shapes.add(key)

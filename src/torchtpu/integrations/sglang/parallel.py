@@ -63,7 +63,7 @@ def _traced_on_tpu(group, tensor: torch.Tensor) -> bool:
 def all_reduce(original, group, input_: torch.Tensor) -> torch.Tensor:
     """``GroupCoordinator.all_reduce``: in a graph on tpu, the functional all-reduce."""
     if _traced_on_tpu(group, input_):
-        import torch.distributed._functional_collectives as funcol
+        from torchtpu.runtime.compat import functional_collectives as funcol
 
         return funcol.all_reduce(input_, "sum", group.device_group)
     return original(group, input_)
@@ -72,7 +72,7 @@ def all_reduce(original, group, input_: torch.Tensor) -> torch.Tensor:
 def all_gather_into_tensor(original, group, output: torch.Tensor, input_: torch.Tensor) -> None:
     """``GroupCoordinator.all_gather_into_tensor``: in a graph on tpu, the functional gather."""
     if _traced_on_tpu(group, input_):
-        import torch.distributed._functional_collectives as funcol
+        from torchtpu.runtime.compat import functional_collectives as funcol
 
         output.copy_(funcol.all_gather_tensor(input_, 0, group.device_group))
         return None

@@ -23,13 +23,12 @@ class TpuCompiler(CompilerInterface):
     def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
                 compiler_config: dict[str, Any], compile_range, key: str | None = None,
                 ) -> tuple[Callable[..., Any] | None, Any | None]:
-        import torch
-
         from torchtpu.compile.backend import backend
+        from torchtpu.runtime import compat
 
         # No handle: vLLM's cache cannot reload it, so every start traces the pieces again
         # (XLA's own persistent cache still skips recompiling the programs). AOTAutograd's cache
         # skips some pieces (a tensor-parallel piece's collectives name this process's groups);
         # vLLM compiles with that cache strict, which would turn the skip into an error.
-        with torch._functorch.config.patch(strict_autograd_cache=False):
+        with compat.functorch_config.patch(strict_autograd_cache=False):
             return backend(graph, example_inputs), None
