@@ -24,7 +24,6 @@ against a PyTorch reference, off the device); tensors on other devices raise PyT
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Callable
 
