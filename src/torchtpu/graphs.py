@@ -225,7 +225,7 @@ class CompiledStep:
         for static, new, slot in zip(entry.inputs, _tensors(args), entry.slots):
             if static is new:
                 continue
-            array = getattr(new.untyped_storage(), bridge.ATTR, None) if slot is not None else None
+            array = bridge.array_of(new.untyped_storage()) if slot is not None else None
             if array.__class__ is ArrayImpl and array.shape == slot[1] and array.dtype == slot[2] \
                     and bridge.holds_whole_storage(new, array) and not (new.is_conj() or new.is_neg()):
                 feeds.append((slot[0], array))  # read in place of the static input: no copy
@@ -291,7 +291,7 @@ def _fresh(value: Any):
     """A new tensor holding a static output's current value: the next replay does not change it."""
     if not isinstance(value, torch.Tensor) or value.device.type != "tpu":
         return value
-    array = getattr(value.untyped_storage(), bridge.ATTR, None)
+    array = bridge.array_of(value.untyped_storage())
     if array is not None and not isinstance(array, bridge.Lazy) and bridge.holds_whole_storage(value, array):
         return bridge.wrap(array, value.get_device())
     return value.detach().clone()

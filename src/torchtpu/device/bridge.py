@@ -323,6 +323,17 @@ def _permute(order: tuple):
     return jax.jit(lambda x: jnp.transpose(x, order))
 
 
+def array_of(storage):
+    """The ``jax.Array`` (or deferred value) a ``tpu`` storage holds, None if it has none yet. (The
+    eager and compiled hot paths inline this read: ``getattr(storage, ATTR, None)``.)"""
+    return getattr(storage, ATTR, None)
+
+
+def set_array(storage, value) -> None:
+    """Make ``value`` (a ``jax.Array`` or a deferred value) the bytes of ``storage``."""
+    setattr(storage, ATTR, value)
+
+
 def _covers_storage(t: torch.Tensor, array) -> bool:
     """Whether ``t`` spans its storage's ``array`` in order (its dtype may still differ)."""
     return array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()

@@ -36,7 +36,7 @@ def _deserialize(storage, location: str):
     nbytes = storage.nbytes()
     data = np.frombuffer(bytes(storage), dtype=np.uint8) if nbytes else np.zeros((0,), np.uint8)
     result = bridge.new_storage(nbytes, index)
-    result._jax = placement.put(data, index)
+    bridge.set_array(result, placement.put(data, index))
     return result
 
 

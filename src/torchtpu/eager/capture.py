@@ -92,7 +92,7 @@ class CaptureExecutor(fused.FusedExecutor):
         ``made``: the region creates it); an array it held from before the capture becomes a
         program input."""
         seen = self.storages.get(id(storage))
-        array = getattr(storage, bridge.ATTR, None)
+        array = bridge.array_of(storage)
         if seen is not None and seen[0]() is storage:
             if seen[1] is not None or made or tensor is not None or array is None or isinstance(array, bridge.Lazy):
                 return
@@ -110,13 +110,14 @@ class CaptureExecutor(fused.FusedExecutor):
         elif array is None and tensor is not None:
             # no array yet (``torch.empty``): zeros now, outside the program, so that a replay
             # reads what is copied into it later (a static input made with empty_like)
-            array = storage._jax = bridge.zeros_for(tensor, storage)
+            array = bridge.zeros_for(tensor, storage)
+            bridge.set_array(storage, array)
         self.storages[id(storage)] = (weakref.ref(storage), array, index)
         if getattr(storage, "_static", False):
             self.held.append(storage)
         if array is not None:
-            storage._jax = self._new_input(("storage", id(storage)), array,
-                                           (tuple(array.shape), array.dtype, False))
+            bridge.set_array(storage, self._new_input(("storage", id(storage)), array,
+                                                      (tuple(array.shape), array.dtype, False)))
 
     def _new_input(self, source: tuple, placeholder, key: tuple) -> fused.Deferred:
         position = len(self.graph.inputs)
@@ -156,7 +157,7 @@ class CaptureExecutor(fused.FusedExecutor):
             storage = ref()
             if storage is None:
                 continue
-            now = getattr(storage, bridge.ATTR, None)
+            now = bridge.array_of(storage)
             if isinstance(now, fused.Deferred) and now.graph is graph and now.value is None:
                 if not (now.ref[0] == "in" and self.sources.get(now.ref[1]) == ("storage", key)):
                     outputs.append((ref, now.ref, now.key, index))
@@ -180,11 +181,11 @@ class CaptureExecutor(fused.FusedExecutor):
             if storage is None:
                 continue
             if before is not None:
-                storage._jax = before
+                bridge.set_array(storage, before)
                 continue
-            now = getattr(storage, bridge.ATTR, None)
+            now = bridge.array_of(storage)
             if isinstance(now, fused.Deferred) and now.graph is self.graph and now.value is None:
-                storage._jax = bridge._zeros(now.size, now.dtype, index)()  # (flat: any shape holds a storage)
+                bridge.set_array(storage, bridge._zeros(now.size, now.dtype, index)())  # (flat: any shape holds a storage)
                 storage._static = True  # a static output: a later capture that reads it keeps it alive
         self.graph.error = "the graph capture that recorded it"
 
@@ -266,7 +267,7 @@ class CapturedProgram:
             args[slot] = bases[key][part]
         sole, seen = True, set()
         for slot, key, ref, shape, dtype, donate in self.plan:
-            array = getattr(ref(), bridge.ATTR, None)
+            array = bridge.array_of(ref())
             if array.__class__ is not ArrayImpl or array.shape != shape or array.dtype != dtype:
                 array = self._storage_array(ref, shape, dtype)
             if donate:
@@ -282,11 +283,12 @@ class CapturedProgram:
         if storage is None:
             raise RuntimeError("tpu graph replay: a tensor the captured region reads has been freed; keep "
                                "the static inputs, parameters and optimizer state alive, or capture again")
-        array = getattr(storage, bridge.ATTR, None)
+        array = bridge.array_of(storage)
         if isinstance(array, bridge.Lazy):
             array = array.materialize()
         if array is not None and array.shape != shape and array.size == _size(shape) and array.dtype == dtype:
-            array = storage._jax = bridge._reshape(shape)(array)  # the same bytes, read in another shape since
+            array = bridge._reshape(shape)(array)  # the same bytes, read in another shape since
+            bridge.set_array(storage, array)
         if array is None or array.shape != shape or array.dtype != dtype:
             raise RuntimeError(f"tpu graph replay: a tensor the captured region reads changed size or type "
                                f"since the capture (it held {dtype}{list(shape)}); capture again")
@@ -336,7 +338,7 @@ class CapturedProgram:
         for ref, value in zip(self.outputs, results):
             storage = ref()
             if storage is not None:
-                storage._jax = value
+                bridge.set_array(storage, value)
 
 
 def _size(shape) -> int:

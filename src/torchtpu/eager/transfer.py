@@ -137,7 +137,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     index = device.index if device.index is not None else self.get_device()
     value = bridge.read(self)
     target = TORCH_TO_JAX[dtype]
-    stored = getattr(self.untyped_storage(), bridge.ATTR, None)
+    stored = bridge.array_of(self.untyped_storage())
     if value.dtype != target or value is stored or (isinstance(stored, bridge.Lazy) and value is stored.value):
         value = bridge.apply(bridge.cast(target), value)  # (a copy must not share the source's buffer)
     if index != self.get_device():

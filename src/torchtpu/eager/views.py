@@ -93,9 +93,9 @@ def resize(t: torch.Tensor, shape) -> None:
             storage.resize_(nbytes)
         else:  # a new storage for t alone
             grown = bridge.new_storage(nbytes, t.get_device())
-            array = getattr(storage, bridge.ATTR, None)
+            array = bridge.array_of(storage)
             if array is not None:
-                grown._jax = bridge.resized(array, nbytes)
+                bridge.set_array(grown, bridge.resized(array, nbytes))
             storage = grown
     bridge.restride(t, storage, t.storage_offset(), shape, bridge._contiguous_strides(shape))
 
