@@ -8,7 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from torchtpu import debug
-from torchtpu.eager import register
+from torchtpu.eager import native_kernels, register
 
 aten = torch.ops.aten
 
@@ -23,8 +23,10 @@ def wrong_lowering(monkeypatch):
         monkeypatch.setattr(kernel, "lowering",
                             dataclasses.replace(correct, fn=lambda *a, **k: fn(correct.fn, *a, **k)))
         monkeypatch.setattr(kernel, "_jitted", {})  # drop the jitted programs of the correct lowering
+        native_kernels.forget()  # and those the native kernel learned from them
 
-    return inject
+    yield inject
+    native_kernels.forget()  # (it learned the wrong ones meanwhile)
 
 
 class Net(nn.Module):

@@ -888,6 +888,17 @@ void native_eager_clear() {
   G().libraries.clear();  // (their destructors deregister the kernels)
 }
 
+// Drops every learned program (a lowering changed: its kernels build new ones, learned again).
+void native_eager_forget() {
+  for (NativeOp* op : registered_ops()) {
+    for (auto& kv : op->table_) {
+      Py_XDECREF(kv.second.fn);
+      Py_XDECREF(kv.second.layouts);
+    }
+    op->table_.clear();
+  }
+}
+
 void native_eager_enable(bool on) { G().enabled = on; }
 
 bool native_eager_enabled() { return G().enabled; }

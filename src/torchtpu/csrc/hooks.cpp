@@ -47,6 +47,7 @@ void native_eager_register(const std::string& ns, const std::string& name, const
                            py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
                            bool inplace);
 void native_eager_clear();
+void native_eager_forget();
 void native_views_register();
 void native_eager_enable(bool on);
 bool native_eager_enabled();
@@ -627,6 +628,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots, inplace): the C++ kernel of one op on "
         "PrivateUse1 (its Python kernel must be on PrivateUse2)");
   m.def("native_eager_clear", &torchtpu::native_eager_clear, "deregister every native eager kernel");
+  m.def("native_eager_forget", &torchtpu::native_eager_forget, "drop every program the native kernels learned");
   m.def("native_views_register", &torchtpu::native_views_register,
         "native_views_register(): the CPU's kernels of view, as_strided, _reshape_alias and unfold on PrivateUse1");
   m.def("native_eager_enable", &torchtpu::native_eager_enable, "native_eager_enable(on): use the native path");

@@ -170,6 +170,12 @@ def uninstall() -> None:
     REGISTERED.clear()
 
 
+def forget() -> None:
+    """Drop every program the native kernels learned (a lowering changed: they learn the new ones)."""
+    if _module is not None:
+        _module.native_eager_forget()
+
+
 def enabled() -> bool:
     """Whether calls of the registered ops take the native path now."""
     return _module is not None and _module.native_eager_enabled()

@@ -185,6 +185,7 @@ def _forget_programs(op: OpOverload) -> None:
     kernel = getattr(kernel, "functional", kernel)  # in-place, out= and mutating kernels wrap it
     if isinstance(kernel, dispatch.Kernel):
         kernel._jitted.clear()
+    native_kernels.forget()  # (the C++ kernels' learned programs of it, too)
 
 
 _hooked = False
