@@ -131,6 +131,9 @@ SKIP = {
         "builds a venv with vLLM and starts a server; tests/test_vllm.py (skipped without vLLM)",
     "source /tmp/titanenv/bin/activate":
         "needs the venv tools/torchtitan_env.sh builds; tests/test_torchtitan.py (slow) runs these commands",
+    "# expert parallel over 2 processes: each holds half the experts; TorchTitan's":
+        "needs the venv tools/torchtitan_env.sh builds and minutes a step; tests/test_torchtitan_moe.py (slow) "
+        "runs it",
     "/tmp/titanenv/bin/python tools/pod_plan.py # Qwen3-8B, TPU7x, 256-8,192 chips, FSDP and FSDP x TP 4":
         "needs the venv tools/torchtitan_env.sh builds and minutes per layout; "
         "tests/test_torchtitan_compile.py checks the plan's inputs (the chip table, TorchTitan's peak)",
