@@ -166,7 +166,6 @@ class NativeOp final : public c10::OperatorKernel {
   bool inplace_;                  // op_(self, ...): the functional program's result written into self
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;
   int64_t native_calls_ = 0;
-  int64_t python_calls_ = 0;
   // calls left to Python, by why: another mode/capture, a checked argument, an argument the walk
   // cannot take, a key given up on, a first call (learning)
   int64_t left_[5] = {};
@@ -263,26 +262,24 @@ PyObject* number_scalar(const c10::IValue& v) {
 PyObject* host_scalar(const at::Tensor& t) {
   Globals& g = G();
   c10::ScalarType st = t.scalar_type();
-  if (c10::isComplexType(st) || G().to_jax[static_cast<int>(st)] == nullptr) return nullptr;
-  int64_t tag = 1000 + static_cast<int64_t>(st);
+  if (c10::isComplexType(st) || g.to_jax[static_cast<int>(st)] == nullptr) return nullptr;
+  // the value's bits as the cache key, and the Python number _host_scalar is given on a miss
+  int64_t bits;
+  py::object value;
   if (c10::isFloatingType(st)) {
     double d = t.item<double>();
-    return cached_scalar(tag, double_bits(d), [&] {
-      py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
-      return PyObject_CallFunctionObjArgs(g.host_scalar_fn, py::float_(d).ptr(), dtype.ptr(), nullptr);
-    });
+    bits = double_bits(d);
+    value = py::float_(d);
+  } else if (st == c10::ScalarType::Bool) {
+    bits = t.item<bool>();
+    value = py::bool_(bits != 0);
+  } else {
+    bits = t.item<int64_t>();
+    value = py::int_(bits);
   }
-  if (st == c10::ScalarType::Bool) {
-    bool b = t.item<bool>();
-    return cached_scalar(tag, b, [&] {
-      py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
-      return PyObject_CallFunctionObjArgs(g.host_scalar_fn, b ? Py_True : Py_False, dtype.ptr(), nullptr);
-    });
-  }
-  int64_t i = t.item<int64_t>();
-  return cached_scalar(tag, i, [&] {
-    py::object dtype = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(st)));
-    return PyObject_CallFunctionObjArgs(g.host_scalar_fn, py::int_(i).ptr(), dtype.ptr(), nullptr);
+  return cached_scalar(1000 + static_cast<int64_t>(st), bits, [&] {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(st));  // borrowed
+    return PyObject_CallFunctionObjArgs(g.host_scalar_fn, value.ptr(), dtype, nullptr);
   });
 }
 
@@ -735,7 +732,6 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   }
   auto found = self.table_.find(key);
   if (found == self.table_.end() || found->second.fn == nullptr) {
-    self.python_calls_++;
     if (found != self.table_.end() && found->second.misses >= kMaxMisses) {
       self.left_[3]++;
       py::gil_scoped_release release;
