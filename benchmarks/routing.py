@@ -28,7 +28,12 @@ must get requests again. Then two routers in front of the same replicas, one SIG
 how many requests were lost when the client sends what router A failed to router B.
 ``--tenants-check`` adds tenant isolation: tenant A's TTFT p99 alone, then while tenant B floods
 (``--flood`` concurrent requests), with the engines' priority scheduling (A's requests carry a
-higher priority) against without.
+higher priority) against without; and, where the ``smg`` wheel is at hand (``--smg-python``),
+through smg's per-tenant admission control in front of the same replicas (its priority
+scheduler: at most ``--admission-slots`` requests reach the engines, ``--interactive-reserved``
+of them held for A's ``interactive`` class, B's requests ``bulk``). ``vllm-router``'s own admission
+(``--max-concurrent-requests``, its queue, ``--rate-limit-tokens-per-second``) is one limit and one
+FIFO queue for every tenant, so it cannot put A before B.
 
     python benchmarks/routing.py [--policies round_robin cache_aware kv_aware] [--replicas 2]
         [--sessions 8] [--turns 4] [--system-words 200] [--kv-blocks N | --pool-share 0.6] [--failover]
@@ -184,7 +189,7 @@ def failover(fleet, n: int = 64, kill_after: int = 6) -> dict:
     words = WORDS_FILE.read_text().split()
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(words) for _ in range(20 + i % 7)) for i in range(n)]
-    router = fleet.start_router("round_robin", options=("--retry-max-retries", "3"))
+    router = fleet.start_router("round_robin")  # retries that outlast the health check (serve_replicas.RETRY_OPTIONS)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=300, max_retries=0)
 
     def one(p):
@@ -281,32 +286,58 @@ def two_routers(fleet, n: int = 32, kill_after: int = 6) -> dict:
 
 # ---------------------------------------------------------------- tenants
 
-async def tenant_run(url: str, sessions, flood: int, a_requests: int, priority: bool, max_tokens: int) -> list[float]:
-    """Tenant A's TTFTs (sequential turns of one session) while tenant B keeps ``flood`` requests in flight."""
+async def tenant_run(url: str, sessions, flood: int, a_requests: int, priority: bool, max_tokens: int,
+                     classes: bool = False) -> list[float]:
+    """Tenant A's TTFTs (sequential turns of one session) while tenant B keeps ``flood`` requests in flight.
+
+    ``priority``: the engines' priority (A's requests before B's in vLLM's scheduler); ``classes``:
+    smg's admission classes (``x-smg-priority``: A ``interactive``, B ``bulk``)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
     stop = asyncio.Event()
+    b_done = [0]
 
     async def flooder(k: int) -> None:
         s = sessions[1 + k % (len(sessions) - 1)]
+        headers = {"X-Tenant-ID": "tenant-b", **({"x-smg-priority": "bulk"} if classes else {})}
         while not stop.is_set():
             msgs = [{"role": "system", "content": s["system"] + f" {k} {time.time()}"}, {"role": "user", "content": s["users"][0]}]
-            await chat_turn(client, msgs, max_tokens, {"X-Tenant-ID": "tenant-b"}, priority=10 if priority else None)
+            await chat_turn(client, msgs, max_tokens, headers, priority=10 if priority else None)
+            b_done[0] += 1
 
     a = sessions[0]
     flooders = [asyncio.create_task(flooder(k)) for k in range(flood)]
     if flood:
         await asyncio.sleep(2.0)
     ttfts = []
+    headers = {"X-Tenant-ID": "tenant-a", **({"x-smg-priority": "interactive"} if classes else {})}
+    start = time.perf_counter()
     for t in range(a_requests):
         msgs = [{"role": "system", "content": a["system"]}, {"role": "user", "content": a["users"][t]}]
-        r = await chat_turn(client, msgs, max_tokens, {"X-Tenant-ID": "tenant-a"}, priority=0 if priority else None)
+        r = await chat_turn(client, msgs, max_tokens, headers, priority=0 if priority else None)
         ttfts.append(r["ttft"])
+    elapsed = time.perf_counter() - start
     stop.set()
     await asyncio.gather(*flooders, return_exceptions=True)
     await client.close()
+    if flood:
+        print(f"    tenant B: {b_done[0]} requests done while A sent {a_requests} ({b_done[0] / elapsed:.2f}/s)", flush=True)
     return ttfts
+
+
+def smg_priority_config(path: Path, reserved: int) -> Path:
+    """smg's priority-scheduler YAML: ``interactive`` holds ``reserved`` slots back from lower classes
+    and may preempt a ``bulk`` request that has not started answering; nothing else reserves."""
+    path.write_text(
+        "classes:\n"
+        "  system:\n    reserved: 0\n"
+        f"  interactive:\n    reserved: {reserved}\n    queue_size: 64\n    queue_timeout_secs: 600\n"
+        "    starvation_threshold_secs: 600\n    can_preempt: true\n"
+        "  default:\n    reserved: 0\n"
+        "  bulk:\n    reserved: 0\n    queue_size: 1024\n    queue_timeout_secs: 600\n"
+        "    starvation_threshold_secs: 600\n    can_preempt: false\n")
+    return path
 
 
 # ---------------------------------------------------------------- main
@@ -332,6 +363,14 @@ def main() -> None:
     parser.add_argument("--failover", action="store_true")
     parser.add_argument("--tenants-check", action="store_true")
     parser.add_argument("--flood", type=int, default=16)
+    parser.add_argument("--smg-python", default=None,
+                        help="--tenants-check: the interpreter of a venv with the smg wheel (tools/sglang_env.sh), "
+                             "for the row with smg's per-tenant admission in front of the same replicas "
+                             "(default: this interpreter if it has smg, else the row is skipped)")
+    parser.add_argument("--admission-slots", type=int, default=4,
+                        help="--tenants-check, smg row: requests smg lets through to the replicas at once")
+    parser.add_argument("--interactive-reserved", type=int, default=2,
+                        help="--tenants-check, smg row: of those, slots held for tenant A's interactive class")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--hash-algo", default="sha256_cbor",
                         help="vLLM's --prefix-caching-hash-algo (sha256_cbor: a hash other processes can recompute)")
@@ -408,6 +447,35 @@ def main() -> None:
             print(f"\ntenant A TTFT p99: alone {a * 1e3:.0f} ms; tenant B flooding ({args.flood} in flight): "
                   f"{pct(plain, 99) * 1e3:.0f} ms ({pct(plain, 99) / a:.1f}x) without priorities, "
                   f"{pct(prio, 99) * 1e3:.0f} ms ({pct(prio, 99) / a:.1f}x) with A at a higher priority", flush=True)
+            smg_python = args.smg_python or (sys.executable if importlib.util.find_spec("smg") else None)
+            if smg_python is None:
+                print("(no smg: the row with smg's per-tenant admission is skipped; --smg-python PY)", flush=True)
+            else:
+                # smg's priority scheduler in front of the same replicas: at most --admission-slots
+                # requests reach the engines, --interactive-reserved of them held for tenant A's class
+                fleet.smg_python = smg_python
+                config = smg_priority_config(work / "smg-priority.yaml", args.interactive_reserved)
+                router = fleet.start_router("round_robin", router="smg", options=(
+                    "--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive",
+                    "--priority-scheduler-config", str(config), "--max-concurrent-requests", str(args.admission_slots),
+                    "--queue-size", "1024", "--queue-timeout-secs", "600"))
+                try:
+                    s_alone = asyncio.run(tenant_run(router.url, sessions, 0, 12, True, args.max_tokens, classes=True))
+                    s_adm = asyncio.run(tenant_run(router.url, sessions, args.flood, 12, True, args.max_tokens, classes=True))
+                    port = router.cmd[router.cmd.index("--prometheus-port") + 1]
+                    try:
+                        sched = {k: v for k, v in serve_replicas.parse_metrics(serve_replicas.fetch(
+                            f"http://127.0.0.1:{port}/metrics")).items() if k.startswith("smg_scheduler")}
+                    except OSError:
+                        sched = {}
+                finally:
+                    fleet.stop_router(router)
+                print(f"tenant A TTFT p99 through smg ({args.admission_slots} admission slots, {args.interactive_reserved} "
+                      f"held for A's class, engines' priority on): alone {pct(s_alone, 99) * 1e3:.0f} ms; tenant B "
+                      f"flooding: {pct(s_adm, 99) * 1e3:.0f} ms ({pct(s_adm, 99) / a:.1f}x the alone value above, "
+                      f"{pct(s_adm, 99) / pct(s_alone, 99):.1f}x smg's own alone value); p50 {pct(s_adm, 50) * 1e3:.0f} ms",
+                      flush=True)
+                print(f"  smg scheduler: {json.dumps(sched)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def test_failover_replica_killed_under_load(fleet, hf):  # noqa: F811
     SIGKILLed once a few have finished. None of the 16 is lost and each equals HF; every stream
     ends (finished, or with an error) instead of hanging; later requests go to replica 0 only.
     (A restarted replica rejoining: benchmarks/routing.py --failover.)"""
-    router = fleet.start_router("round_robin", options=("--retry-max-retries", "3"))
+    router = fleet.start_router("round_robin")  # with serve_replicas.RETRY_OPTIONS: retries that outlast the health check
     try:
         prompts = [text(500 + i, 10 + i) for i in range(8)]
         refs = {}

@@ -56,6 +56,14 @@ from pathlib import Path
 ENGINES = ("vllm", "sglang")
 ROUTER_OF = {"vllm": "vllm-router", "sglang": "smg"}
 BLOCK_SIZE = 16  # the KV block size the replicas are started with (the router hashes blocks of it)
+HEALTH_CHECK_INTERVAL_S = 2
+# Both routers retry a request that failed on a replica (a refused connection or a body cut short
+# answers 500, a retryable status) by picking a replica again, after an exponential backoff.
+# Their defaults (5 attempts, 50 ms growing 1.5x) all fall within ~0.5 s, before the health check
+# (every HEALTH_CHECK_INTERVAL_S) has taken a dead replica out of the rotation, so under
+# round_robin a request can meet the dead replica on every attempt and come back as 500. These
+# attempts (at 0, 0.5, 1.5, 3.5 and 7.5 s) outlast the health check.
+RETRY_OPTIONS = ("--retry-max-retries", "5", "--retry-initial-backoff-ms", "500", "--retry-backoff-multiplier", "2")
 
 
 def free_port() -> int:
@@ -157,6 +165,7 @@ class Fleet:
     start_timeout: float = 900.0
     one_chip_each: bool | None = None  # None: when this is a TPU host
     extra_env: dict[str, str] = field(default_factory=dict)
+    smg_python: str | None = None  # the interpreter whose `smg` to run (default: python); see router_command
     members: list[Replica] = field(default_factory=list, init=False)
     routers: list[Process] = field(default_factory=list, init=False)
 
@@ -186,8 +195,11 @@ class Fleet:
                     "endpoint": f"tcp://*:{kv_port}", "topic": "kv-events"})]
         else:
             env["SGLANG_PLATFORM"] = "tpu"
+            # --enable-metrics: the Prometheus figures (sglang:num_running_reqs, num_queue_reqs,
+            # token_usage, ...); smg itself reads the same figures from /v1/loads
             cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model,
-                   "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_name]
+                   "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_name,
+                   "--enable-metrics"]
         cmd += list(self.engine_args)
         return Replica(name=f"replica{index}", cmd=cmd, env=env, log=self.log_dir / f"replica{index}.log",
                        url=f"http://127.0.0.1:{port}", index=index, port=port, kv_events_port=kv_port)
@@ -227,14 +239,24 @@ class Fleet:
         return replica
 
     # ------------------------------------------------------------ routers
-    def router_command(self, policy: str, port: int, metrics_port: int, options: tuple[str, ...] = ()) -> list[str]:
+    def router_command(self, policy: str, port: int, metrics_port: int, options: tuple[str, ...] = (),
+                       router: str | None = None) -> list[str]:
+        """The router's command line. ``router`` is the engine's own by default (``vllm-router``
+        for vLLM, ``smg`` for SGLang); ``"smg"`` in front of vLLM replicas is the one router here
+        with per-tenant admission control (its priority scheduler), which ``vllm-router`` lacks;
+        smg talks to them over the OpenAI API."""
         urls = [r.url for r in self.members]
-        if self.engine == "vllm":
+        router = router or ROUTER_OF[self.engine]
+        if router not in ROUTER_OF.values():
+            raise ValueError(f"router must be one of {sorted(ROUTER_OF.values())}, not {router!r}")
+        if router == "vllm-router":
+            if self.engine != "vllm":
+                raise ValueError("vllm-router fronts vLLM replicas; SGLang replicas go behind smg")
             cmd = [self.python, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                    "--worker-urls", *urls, "--policy", policy, "--prometheus-port", str(metrics_port),
                    # a dead replica leaves the rotation within seconds, and rejoins as soon
-                   "--health-check-interval-secs", "2", "--health-failure-threshold", "1",
-                   "--health-success-threshold", "1", "--health-check-timeout-secs", "5"]
+                   "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S), "--health-failure-threshold", "1",
+                   "--health-success-threshold", "1", "--health-check-timeout-secs", "5", *RETRY_OPTIONS]
             if policy == "kv_aware":
                 missing = [r.name for r in self.members if r.kv_events_port is None]
                 if missing:
@@ -243,30 +265,49 @@ class Fleet:
                     cmd += ["--kv-event-source", f"{r.url}={r.kv_events_endpoint}"]
                 cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", self.served_name]
         else:
-            cmd = [self.python, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+            cmd = [self.smg_python or self.python, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
                    "--worker-urls", *urls, "--policy", policy, "--backend", "sglang",
                    "--prometheus-port", str(metrics_port),
-                   "--health-check-interval-secs", "2", "--health-failure-threshold", "1",
-                   "--health-success-threshold", "1", "--health-check-timeout-secs", "5"]
+                   # SGLang's /health generates a token when the server is idle, and waits behind
+                   # the running batch otherwise: on loaded cores that takes seconds, so a busy
+                   # replica is given 30 s (a dead one refuses the connection at once)
+                   "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S), "--health-failure-threshold", "1",
+                   "--health-success-threshold", "1", "--health-check-timeout-secs", "30", *RETRY_OPTIONS]
         return cmd + list(options)
 
     def start_router(self, policy: str = "cache_aware", port: int | None = None, options: tuple[str, ...] = (),
-                     timeout: float = 120.0) -> Process:
+                     timeout: float = 120.0, router: str | None = None) -> Process:
         """A router in front of every replica; returned once it answers ``/health``."""
         port = port or free_port()
-        cmd = self.router_command(policy, port, free_port(), tuple(options))
+        cmd = self.router_command(policy, port, free_port(), tuple(options), router)
+        kind = router or ROUTER_OF[self.engine]
         router = Process(name=f"router{len(self.routers)}-{policy}", cmd=cmd, env={**os.environ},
                          log=self.log_dir / f"router{len(self.routers)}-{policy}.log", url=f"http://127.0.0.1:{port}")
         router.start()
         self.routers.append(router)
         deadline = time.monotonic() + timeout
-        while not http_ok(router.url + "/health"):
+        while not self.router_ready(router, kind):
             if not router.alive():
-                raise RuntimeError(f"{ROUTER_OF[self.engine]} exited ({shlex.join(cmd)}):\n{router.tail()}")
+                raise RuntimeError(f"{kind} exited ({shlex.join(cmd)}):\n{router.tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{ROUTER_OF[self.engine]} did not answer in {timeout:.0f} s:\n{router.tail()}")
+                raise TimeoutError(f"{kind} did not answer in {timeout:.0f} s:\n{router.tail()}")
             time.sleep(0.5)
         return router
+
+    def router_ready(self, router: Process, kind: str) -> bool:
+        """The router answers ``/health``; smg, which registers its workers in the background after it
+        starts answering, must also know the model and list every replica under ``/workers``."""
+        if not http_ok(router.url + "/health"):
+            return False
+        if kind != "smg":
+            return True
+        try:
+            if not json.loads(fetch(router.url + "/v1/models", timeout=5)).get("data"):
+                return False
+            listed = fetch(router.url + "/workers", timeout=5)
+            return all(json.dumps(r.url) in listed for r in self.members)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
 
     def stop_router(self, router: Process) -> None:
         router.kill()
