@@ -30,8 +30,8 @@ how many requests were lost when the client sends what router A failed to router
 (``--flood`` concurrent requests), with the engines' priority scheduling (A's requests carry a
 higher priority) against without; and, where the ``smg`` wheel is at hand (``--smg-python``),
 through smg's per-tenant admission control in front of the same replicas (its priority
-scheduler: at most ``--admission-slots`` requests reach the engines, ``--interactive-reserved``
-of them held for A's ``interactive`` class, B's requests ``bulk``). ``vllm-router``'s own admission
+scheduler: B's requests in the ``bulk`` class get at most ``--bulk-slots`` requests in flight,
+every other slot is held for A's ``interactive`` class). ``vllm-router``'s own admission
 (``--max-concurrent-requests``, its queue, ``--rate-limit-tokens-per-second``) is one limit and one
 FIFO queue for every tenant, so it cannot put A before B.
 
@@ -326,18 +326,55 @@ async def tenant_run(url: str, sessions, flood: int, a_requests: int, priority: 
     return ttfts
 
 
-def smg_priority_config(path: Path, reserved: int) -> Path:
-    """smg's priority-scheduler YAML: ``interactive`` holds ``reserved`` slots back from lower classes
-    and may preempt a ``bulk`` request that has not started answering; nothing else reserves."""
-    path.write_text(
-        "classes:\n"
-        "  system:\n    reserved: 0\n"
-        f"  interactive:\n    reserved: {reserved}\n    queue_size: 64\n    queue_timeout_secs: 600\n"
-        "    starvation_threshold_secs: 600\n    can_preempt: true\n"
-        "  default:\n    reserved: 0\n"
-        "  bulk:\n    reserved: 0\n    queue_size: 1024\n    queue_timeout_secs: 600\n"
-        "    starvation_threshold_secs: 600\n    can_preempt: false\n")
+def smg_priority_config(path: Path, interactive_reserved: int) -> Path:
+    """smg's priority-scheduler YAML (smg 1.13 field names; every field of a class is required):
+    ``interactive`` holds ``interactive_reserved`` slots back from the lower classes and may preempt
+    a ``bulk`` request that has not started answering; nothing else reserves."""
+    classes = {"system": (0, 64, 30, 5, "true"), "interactive": (interactive_reserved, 64, 600, 600, "true"),
+               "default": (0, 512, 600, 600, "false"), "bulk": (0, 1024, 600, 600, "false")}
+    text = "classes:\n"
+    for name, (floor, queue, timeout, starve, preempt) in classes.items():
+        text += (f"  {name}:\n    reserved_floor: {floor}\n    reserved_per_slot: 0.0\n    queue_size: {queue}\n"
+                 f"    queue_timeout_secs: {timeout}\n    starvation_threshold_secs: {starve}\n    can_preempt: {preempt}\n")
+    path.write_text(text)
     return path
+
+
+def smg_capacity(router, timeout: float = 30.0) -> int:
+    """The slot capacity smg's priority scheduler admits against: what smg derives from its workers
+    (it logs "backend capacity updated ... new=N"; not the --max-concurrent-requests limit)."""
+    import re
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.findall(r"backend capacity updated old=\d+ new=(\d+)", re.sub(r"\x1b\[[0-9;]*m", "", router.tail(200_000)))
+        if found:
+            return int(found[-1])
+        time.sleep(0.5)
+    raise RuntimeError(f"smg did not log its backend capacity:\n{router.tail()}")
+
+
+def start_smg_admission(fleet, work: Path, bulk_slots: int):
+    """smg in front of the fleet with its priority scheduler on, sized so that the ``bulk`` class
+    (tenant B) gets at most ``bulk_slots`` requests in flight: ``interactive`` (tenant A) holds
+    back every other slot of smg's capacity. A first start learns the capacity."""
+    options = ("--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive",
+               "--queue-size", "1024", "--queue-timeout-secs", "600")
+    probe = fleet.start_router("round_robin", router="smg", options=(
+        *options, "--priority-scheduler-config", str(smg_priority_config(work / "smg-probe.yaml", 0))))
+    try:
+        capacity = smg_capacity(probe)
+    finally:
+        fleet.stop_router(probe)
+    if capacity <= bulk_slots:
+        raise ValueError(f"smg's capacity is {capacity} slots: --bulk-slots {bulk_slots} leaves none for tenant A")
+    config = smg_priority_config(work / "smg-priority.yaml", capacity - bulk_slots)
+    router = fleet.start_router("round_robin", router="smg", options=(*options, "--priority-scheduler-config", str(config)))
+    smg_capacity(router)  # the real capacity is known before the first request
+    if "falling back to legacy admission" in router.tail(200_000):
+        fleet.stop_router(router)
+        raise RuntimeError(f"smg's priority scheduler did not start:\n{router.tail()}")
+    return router, capacity
 
 
 # ---------------------------------------------------------------- main
@@ -367,10 +404,9 @@ def main() -> None:
                         help="--tenants-check: the interpreter of a venv with the smg wheel (tools/sglang_env.sh), "
                              "for the row with smg's per-tenant admission in front of the same replicas "
                              "(default: this interpreter if it has smg, else the row is skipped)")
-    parser.add_argument("--admission-slots", type=int, default=4,
-                        help="--tenants-check, smg row: requests smg lets through to the replicas at once")
-    parser.add_argument("--interactive-reserved", type=int, default=2,
-                        help="--tenants-check, smg row: of those, slots held for tenant A's interactive class")
+    parser.add_argument("--bulk-slots", type=int, default=2,
+                        help="--tenants-check, smg row: tenant B's (bulk) requests in flight at most; "
+                             "the rest of smg's slots are held for tenant A's interactive class")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--hash-algo", default="sha256_cbor",
                         help="vLLM's --prefix-caching-hash-algo (sha256_cbor: a hash other processes can recompute)")
@@ -451,14 +487,10 @@ def main() -> None:
             if smg_python is None:
                 print("(no smg: the row with smg's per-tenant admission is skipped; --smg-python PY)", flush=True)
             else:
-                # smg's priority scheduler in front of the same replicas: at most --admission-slots
-                # requests reach the engines, --interactive-reserved of them held for tenant A's class
+                # smg's priority scheduler in front of the same replicas: tenant B's bulk class gets at
+                # most --bulk-slots requests in flight, every other slot is held for A's interactive class
                 fleet.smg_python = smg_python
-                config = smg_priority_config(work / "smg-priority.yaml", args.interactive_reserved)
-                router = fleet.start_router("round_robin", router="smg", options=(
-                    "--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive",
-                    "--priority-scheduler-config", str(config), "--max-concurrent-requests", str(args.admission_slots),
-                    "--queue-size", "1024", "--queue-timeout-secs", "600"))
+                router, capacity = start_smg_admission(fleet, work, args.bulk_slots)
                 try:
                     s_alone = asyncio.run(tenant_run(router.url, sessions, 0, 12, True, args.max_tokens, classes=True))
                     s_adm = asyncio.run(tenant_run(router.url, sessions, args.flood, 12, True, args.max_tokens, classes=True))
@@ -470,8 +502,9 @@ def main() -> None:
                         sched = {}
                 finally:
                     fleet.stop_router(router)
-                print(f"tenant A TTFT p99 through smg ({args.admission_slots} admission slots, {args.interactive_reserved} "
-                      f"held for A's class, engines' priority on): alone {pct(s_alone, 99) * 1e3:.0f} ms; tenant B "
+                print(f"tenant A TTFT p99 through smg's priority scheduler (B's bulk class at most {args.bulk_slots} in "
+                      f"flight, {capacity - args.bulk_slots} of smg's {capacity} slots held for A's class, engines' "
+                      f"priority on): alone {pct(s_alone, 99) * 1e3:.0f} ms; tenant B "
                       f"flooding: {pct(s_adm, 99) * 1e3:.0f} ms ({pct(s_adm, 99) / a:.1f}x the alone value above, "
                       f"{pct(s_adm, 99) / pct(s_alone, 99):.1f}x smg's own alone value); p50 {pct(s_adm, 50) * 1e3:.0f} ms",
                       flush=True)

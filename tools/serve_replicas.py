@@ -253,7 +253,7 @@ class Fleet:
             if self.engine != "vllm":
                 raise ValueError("vllm-router fronts vLLM replicas; SGLang replicas go behind smg")
             cmd = [self.python, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                   "--worker-urls", *urls, "--policy", policy, "--prometheus-port", str(metrics_port),
+                   "--worker-urls", *urls, "--policy", policy, "--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1",
                    # a dead replica leaves the rotation within seconds, and rejoins as soon
                    "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S), "--health-failure-threshold", "1",
                    "--health-success-threshold", "1", "--health-check-timeout-secs", "5", *RETRY_OPTIONS]
@@ -267,7 +267,7 @@ class Fleet:
         else:
             cmd = [self.smg_python or self.python, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
                    "--worker-urls", *urls, "--policy", policy, "--backend", "sglang",
-                   "--prometheus-port", str(metrics_port),
+                   "--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1",
                    # SGLang's /health generates a token when the server is idle, and waits behind
                    # the running batch otherwise: on loaded cores that takes seconds, so a busy
                    # replica is given 30 s (a dead one refuses the connection at once)
