@@ -12,7 +12,9 @@ that needs, in its own process, then calls ``torchtitan.train.main()``:
   ``torch.cpu`` plus the few device-module calls TorchTitan makes that ``torch.cpu`` lacks;
 * ``FlexAttention``'s compiled kernel is replaced by the same attention computed densely: the
   BlockMask's ``mask_mod`` as a boolean mask for ``scaled_dot_product_attention``;
-* FSDP2 reduces gradients with SUM then scales them (gloo has no ``PREMUL_SUM``).
+* FSDP2 reduces gradients with SUM then scales them (gloo has no ``PREMUL_SUM``);
+* FLUX's autoencoder file is read onto ``cpu`` (the trainer's device is ``cpu:0``, a name
+  safetensors refuses).
 
 torchtpu must not be loaded here (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``): with ``tpu`` registered,
 ``torch.distributed`` sends the CPU run's barriers to the ``tpu`` accelerator.
@@ -99,6 +101,19 @@ def _fsdp_reduces_with_sum() -> None:
     collectives._get_gradient_divide_factors = sum_only
 
 
+def _flux_autoencoder_loads_on_cpu() -> None:
+    """TorchTitan's FLUX trainer calls safetensors' ``load_file(path, device="cpu:0")``, and
+    safetensors takes ``cpu`` only without an index. Replaced before FLUX's module binds it."""
+    import safetensors.torch
+
+    original = safetensors.torch.load_file
+
+    def load_file(filename, device="cpu"):
+        return original(filename, device="cpu" if str(device).startswith("cpu") else device)
+
+    safetensors.torch.load_file = load_file
+
+
 def main() -> None:
     """Set TorchTitan up for the CPU, then run its entry point with this script's arguments."""
     import torch
@@ -110,6 +125,7 @@ def main() -> None:
         sys.exit("torchtitan was imported before its device probe could be pointed at the CPU")
     with _probe_answers_cpu():
         import torchtitan.tools.utils  # noqa: F401  (the probe runs now)
+    _flux_autoencoder_loads_on_cpu()  # before torchtitan's FLUX module imports load_file
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.train import main as titan_main
 

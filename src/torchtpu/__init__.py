@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 def _start_layers() -> None:
     """What starting the runtime adds above it: the eager kernels, the compile caches, and
-    TorchTitan's peak FLOP/s where TorchTitan is installed."""
+    TorchTitan's peak FLOP/s and FLUX autoencoder load where TorchTitan is installed."""
     from torchtpu import patches
     from torchtpu.compile import cache
     from torchtpu.eager import register
@@ -42,6 +42,7 @@ def _start_layers() -> None:
     cache.install()  # before anything compiles
     register.install()
     patches.apply("torchtitan.peak_flops")  # where TorchTitan is installed
+    patches.apply("torchtitan.flux_autoencoder_load")
 
 
 _register(_tpu_module.build())

@@ -125,6 +125,14 @@ TABLE: tuple[Patch, ...] = (
           "hook for a device's peak. Applied only where TorchTitan is installed (at its utils' import).",
           "torchtitan 0.3", FIRST_USE, "torchtpu.integrations.torchtitan:use_device_peak",
           "torchtpu.integrations.torchtitan:restore_peak"),
+    Patch("torchtitan.flux_autoencoder_load", ("torchtitan.models.flux.model.autoencoder.load_sft",),
+          "TorchTitan's FLUX trainer loads its autoencoder with safetensors' load_file(path, "
+          "device=<the trainer's device>), and safetensors accepts only the device names it knows "
+          "('device tpu:0 is invalid'). For a tpu device the wrapper reads the file on the CPU and "
+          "moves the tensors; every other device calls load_file as before. Applied only where "
+          "TorchTitan is installed (at that module's import).",
+          "torchtitan 0.3", FIRST_USE, "torchtpu.integrations.torchtitan:load_flux_autoencoder_on_tpu",
+          "torchtpu.integrations.torchtitan:restore_flux_autoencoder_load"),
     Patch("multiprocess.excepthook", ("sys.excepthook", "atexit"),
           "A rank whose program raised exits without JAX's exit-time shutdown barrier (it would wait "
           "for ranks that will not come): the hook prints the traceback as before, then unregisters "

@@ -4,14 +4,18 @@ expect, written without a git checkout.
 TorchTitan (0.3) picks its device once, at import, with
 ``torch._utils._get_available_device_type()``. With torchtpu installed that answers ``tpu``
 (PyTorch's device autoload registers it), so ``torchrun -m torchtitan.train`` trains on ``tpu``
-unchanged. One function of it is wrapped (``torchtpu.patches``: ``torchtitan.peak_flops``):
+unchanged. Two of its functions are wrapped (``torchtpu.patches``). ``torchtitan.peak_flops``:
 ``torchtitan.tools.utils.get_peak_flops`` finds a device's peak FLOP/s by matching its name
 against a table of GPUs and TPUs, which misses the names PJRT gives v5e, v5p, v6e and TPU7x
 (``TPU v5 lite``, ...) and has no figure for XLA:CPU (it falls back to an A100's), so its MFU
 was wrong. For a ``tpu`` device the wrapper answers ``torch.tpu.get_device_properties().peak_flops``
 (the chip's published peak, or XLA:CPU's measured matmul rate) and logs where it comes from;
-every other device gets TorchTitan's own answer. ``--compile.enable`` needs nothing here: its
-``backend="inductor"`` compiles graphs on tpu with the tpu backend (``torchtpu.compile.routing``).
+every other device gets TorchTitan's own answer. ``torchtitan.flux_autoencoder_load`` lets FLUX's
+autoencoder load onto ``tpu``: TorchTitan reads its safetensors file with ``load_file(path,
+device=<the trainer's device>)``, and safetensors refuses device names it does not know
+(``device tpu:0 is invalid``); for ``tpu`` the file is read on the CPU and moved.
+``--compile.enable`` needs nothing here: its ``backend="inductor"`` compiles graphs on tpu with
+the tpu backend (``torchtpu.compile.routing``).
 
 What a pip install lacks is the data: the debug configs read ``./tests/assets/tokenizer`` and
 the ``c4_test`` dataset from a TorchTitan git checkout, and the wheel ships neither.
@@ -33,6 +37,7 @@ import sys
 from pathlib import Path
 
 _UTILS = "torchtitan.tools.utils"
+_FLUX_AUTOENCODER = "torchtitan.models.flux.model.autoencoder"
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -144,6 +149,46 @@ def _wrap_get_peak_flops() -> None:
 def _log_peak(name: str, peak: float, source: str) -> None:
     logging.getLogger("torchtpu").info("MFU is measured against %s's peak of %.3e FLOP/s (%s)",
                                           name, peak, source)
+
+
+def load_flux_autoencoder_on_tpu() -> bool:
+    """Patch ``torchtitan.flux_autoencoder_load`` (at the first tpu use): now if TorchTitan's FLUX
+    autoencoder module is imported, else when it is; False where TorchTitan is not installed."""
+    from torchtpu.compile import routing
+
+    if _FLUX_AUTOENCODER not in sys.modules and importlib.util.find_spec("torchtitan") is None:
+        return False
+    routing.after_import(_FLUX_AUTOENCODER, _wrap_load_sft)
+    return True
+
+
+def restore_flux_autoencoder_load() -> None:
+    from torchtpu.compile import routing
+
+    routing.cancel_after_import(_FLUX_AUTOENCODER)
+    module = sys.modules.get(_FLUX_AUTOENCODER)
+    original = getattr(getattr(module, "load_sft", None), "__wrapped__", None)
+    if original is not None:
+        module.load_sft = original
+
+
+def _wrap_load_sft() -> None:
+    module = sys.modules[_FLUX_AUTOENCODER]
+    original = module.load_sft
+    if hasattr(original, "__wrapped__"):
+        return
+
+    def load_sft(filename, device="cpu"):
+        """safetensors' ``load_file``; for a tpu device, read on the CPU, then moved to the device
+        (safetensors accepts only the device names it knows: ``device tpu:0 is invalid``)."""
+        import torch
+
+        if torch.device(device).type != "tpu":
+            return original(filename, device=device)
+        return {name: tensor.to(device) for name, tensor in original(filename, device="cpu").items()}
+
+    load_sft.__wrapped__ = original
+    module.load_sft = load_sft
 
 
 def main(argv: list[str] | None = None) -> None:
