@@ -21,6 +21,11 @@ VPY=$VENV/bin/python
 # (this machine's pip config names local indexes that may not exist: drop pip's notes about them)
 quiet() { "$@" 2> >(grep -v "^WARNING: Location .* is ignored" >&2); }
 quiet "$VPY" -m pip install -q "torchtitan==0.3.*"
+# FLUX's encoders and tokenizers are transformers'. torchtitan's datasets (< 4.8) pins
+# huggingface-hub < 2, which a newer interpreter-wide transformers refuses at import: install into
+# the venv the newest transformers that takes the venv's huggingface-hub.
+HUB=$("$VPY" -c "import importlib.metadata as m; print(m.version('huggingface-hub'))")
+quiet "$VPY" -m pip install -q "transformers>=5" "huggingface-hub==$HUB"
 quiet "$VPY" -m pip install -q --no-deps -e "$REPO"
 
 TORCH_AFTER=$("$VPY" -c "import torch; print(torch.__version__)")
@@ -28,6 +33,7 @@ if [[ $TORCH_AFTER != "$TORCH_BEFORE" ]]; then
     echo "torchtitan's install replaced torch $TORCH_BEFORE with $TORCH_AFTER in $VENV" >&2
     exit 1
 fi
-"$VPY" -c "import torchtitan, torchtpu, torch, importlib.metadata as m; \
-print('torchtitan', m.version('torchtitan'), '| torch', torch.__version__, '| torchtpu from', torchtpu.__file__)"
+"$VPY" -c "import torchtitan, torchtpu, torch, transformers, importlib.metadata as m; \
+print('torchtitan', m.version('torchtitan'), '| torch', torch.__version__, '| transformers', \
+      transformers.__version__, '| torchtpu from', torchtpu.__file__)"
 echo "ready: $VENV (run: $VENV/bin/python -m pytest -m slow tests/test_torchtitan.py)"
