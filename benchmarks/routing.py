@@ -296,14 +296,18 @@ async def tenant_run(url: str, sessions, flood: int, a_requests: int, priority: 
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
     stop = asyncio.Event()
-    b_done = [0]
+    b_done, b_failed = [0], [0]
 
     async def flooder(k: int) -> None:
         s = sessions[1 + k % (len(sessions) - 1)]
         headers = {"X-Tenant-ID": "tenant-b", **({"x-smg-priority": "bulk"} if classes else {})}
         while not stop.is_set():
             msgs = [{"role": "system", "content": s["system"] + f" {k} {time.time()}"}, {"role": "user", "content": s["users"][0]}]
-            await chat_turn(client, msgs, max_tokens, headers, priority=10 if priority else None)
+            try:
+                await chat_turn(client, msgs, max_tokens, headers, priority=10 if priority else None)
+            except openai.APIError:  # B's failures (a queue timeout, ...) are counted, not fatal to the run
+                b_failed[0] += 1
+                continue
             b_done[0] += 1
 
     a = sessions[0]
@@ -322,7 +326,8 @@ async def tenant_run(url: str, sessions, flood: int, a_requests: int, priority: 
     await asyncio.gather(*flooders, return_exceptions=True)
     await client.close()
     if flood:
-        print(f"    tenant B: {b_done[0]} requests done while A sent {a_requests} ({b_done[0] / elapsed:.2f}/s)", flush=True)
+        print(f"    tenant B: {b_done[0]} requests done ({b_failed[0]} failed) while A sent {a_requests} "
+              f"({b_done[0] / elapsed:.2f}/s)", flush=True)
     return ttfts
 
 
@@ -404,6 +409,8 @@ def main() -> None:
                         help="--tenants-check: the interpreter of a venv with the smg wheel (tools/sglang_env.sh), "
                              "for the row with smg's per-tenant admission in front of the same replicas "
                              "(default: this interpreter if it has smg, else the row is skipped)")
+    parser.add_argument("--tenant-requests", type=int, default=16,
+                        help="--tenants-check: tenant A's requests per measurement (one after another)")
     parser.add_argument("--bulk-slots", type=int, default=2,
                         help="--tenants-check, smg row: tenant B's (bulk) requests in flight at most; "
                              "the rest of smg's slots are held for tenant A's interactive class")
@@ -472,17 +479,38 @@ def main() -> None:
                   f"{h['sent_to_the_other_router']} sent again to router B", flush=True)
 
         if args.tenants_check:
+            n = args.tenant_requests
+
+            def show(label: str, ttfts: list[float]) -> None:
+                print(f"  {label}: TTFT p50 {pct(ttfts, 50) * 1e3:.0f} ms, p99 {pct(ttfts, 99) * 1e3:.0f} ms; all (s): "
+                      f"{' '.join(f'{t:.2f}' for t in sorted(ttfts))}", flush=True)
+
             router = fleet.start_router("round_robin")
             try:
-                alone = asyncio.run(tenant_run(router.url, sessions, 0, 12, True, args.max_tokens))
-                plain = asyncio.run(tenant_run(router.url, sessions, args.flood, 12, False, args.max_tokens))
-                prio = asyncio.run(tenant_run(router.url, sessions, args.flood, 12, True, args.max_tokens))
+                # A's own prefix warm on both replicas first: "alone" is A's steady state, not a cold prefill
+                asyncio.run(tenant_run(router.url, sessions, 0, 2 * args.replicas, True, args.max_tokens))
+                alone = asyncio.run(tenant_run(router.url, sessions, 0, n, True, args.max_tokens))
+                show("A alone (vllm-router)", alone)
+                plain = asyncio.run(tenant_run(router.url, sessions, args.flood, n, False, args.max_tokens))
+                show("A, B flooding, vllm-router, no priorities", plain)
+                prio = asyncio.run(tenant_run(router.url, sessions, args.flood, n, True, args.max_tokens))
+                show("A, B flooding, vllm-router, engines' priority", prio)
+            finally:
+                fleet.stop_router(router)
+            # vllm-router's own admission: one limit, one FIFO queue for both tenants
+            router = fleet.start_router("round_robin", options=(
+                "--max-concurrent-requests", str(args.bulk_slots + 1), "--queue-size", "1024", "--queue-timeout-secs", "600"))
+            try:
+                capped = asyncio.run(tenant_run(router.url, sessions, args.flood, n, True, args.max_tokens))
+                show(f"A, B flooding, vllm-router --max-concurrent-requests {args.bulk_slots + 1}, engines' priority", capped)
             finally:
                 fleet.stop_router(router)
             a = pct(alone, 99)
             print(f"\ntenant A TTFT p99: alone {a * 1e3:.0f} ms; tenant B flooding ({args.flood} in flight): "
                   f"{pct(plain, 99) * 1e3:.0f} ms ({pct(plain, 99) / a:.1f}x) without priorities, "
-                  f"{pct(prio, 99) * 1e3:.0f} ms ({pct(prio, 99) / a:.1f}x) with A at a higher priority", flush=True)
+                  f"{pct(prio, 99) * 1e3:.0f} ms ({pct(prio, 99) / a:.1f}x) with A at a higher priority, "
+                  f"{pct(capped, 99) * 1e3:.0f} ms ({pct(capped, 99) / a:.1f}x) with vllm-router's global admission limit "
+                  f"of {args.bulk_slots + 1} as well", flush=True)
             smg_python = args.smg_python or (sys.executable if importlib.util.find_spec("smg") else None)
             if smg_python is None:
                 print("(no smg: the row with smg's per-tenant admission is skipped; --smg-python PY)", flush=True)
@@ -492,8 +520,10 @@ def main() -> None:
                 fleet.smg_python = smg_python
                 router, capacity = start_smg_admission(fleet, work, args.bulk_slots)
                 try:
-                    s_alone = asyncio.run(tenant_run(router.url, sessions, 0, 12, True, args.max_tokens, classes=True))
-                    s_adm = asyncio.run(tenant_run(router.url, sessions, args.flood, 12, True, args.max_tokens, classes=True))
+                    s_alone = asyncio.run(tenant_run(router.url, sessions, 0, n, True, args.max_tokens, classes=True))
+                    show("A alone (smg)", s_alone)
+                    s_adm = asyncio.run(tenant_run(router.url, sessions, args.flood, n, True, args.max_tokens, classes=True))
+                    show(f"A, B flooding, smg priority scheduler (B at most {args.bulk_slots} in flight), engines' priority", s_adm)
                     port = router.cmd[router.cmd.index("--prometheus-port") + 1]
                     try:
                         sched = {k: v for k, v in serve_replicas.parse_metrics(serve_replicas.fetch(

@@ -43,8 +43,8 @@ if importlib.util.find_spec("smg") is None:
     pytest.skip("the smg wheel (the SGLang gateway) is not installed (tools/sglang_env.sh installs it; pip install smg)",
                 allow_module_level=True)
 
-from serving_fixtures import hf, model_dir  # noqa: E402,F401 (fixtures)
-from serving_fixtures import hf_greedy as _hf_greedy  # noqa: E402
+from serving_fixtures import hf, model_dir  # noqa: F401 (fixtures)
+from serving_fixtures import hf_greedy as _hf_greedy
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_RUNNING = 2
