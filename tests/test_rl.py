@@ -61,7 +61,8 @@ PLATFORM_REPORT = """
     x = torch.ones(3, device=device.get_device_name()) * 2
     print(json.dumps({
         "registered": PlatformRegistry.get("tpu") is PlatformTPU, "class": type(p).__name__,
-        "device": device.get_device_name(), "module": device.get_torch_device() is torch.tpu,
+        "device": device.get_device_name(), "module": device.get_torch_device().memory_allocated is torch.tpu.memory_allocated,
+        "peak_reserved": device.get_torch_device().max_memory_reserved() >= 0,
         "backend": device.get_nccl_backend(), "resource": device.get_resource_name(),
         "visible": device.get_visible_devices_keyword(), "options": [p.ray_resource_options(2), p.ray_resource_options(1 / 3)],
         "ipc": device.is_support_ipc(), "tensor": [str(x.device), x.sum().item()],
@@ -81,6 +82,7 @@ def test_platform_from_the_entry_point(selected_by):
         "registered": True, "class": "PlatformTPU", "device": "tpu", "module": True,
         "backend": names.COMMUNICATION_BACKEND, "resource": "TPU", "visible": "TPU_VISIBLE_CHIPS",
         "options": [{"resources": {"TPU": 2}}, {"resources": {"TPU": 1}}], "ipc": False, "tensor": ["tpu:0", 6.0], "backend_known": True,
+        "peak_reserved": True,
     }
 
 
@@ -94,6 +96,54 @@ def test_plugins_off_leaves_verl_without_tpu():
         print(json.dumps({"names": sorted(PlatformRegistry.registered_names())}))
     """, VERL_USE_EXTERNAL_PLUGINS="none")
     assert "tpu" not in report["names"] and "nvidia" in report["names"]
+
+
+VLLM_ROLLOUT_REPORT = """
+    import asyncio, json
+    from verl.workers.rollout.replica import get_rollout_replica_class
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from torchtpu.integrations.verl import vllm_rollout
+
+    cls = get_rollout_replica_class("vllm")
+    calls = []
+
+    class Engine:  # what VeRL's server holds: records what reaches vLLM
+        output_processor = "the engine's own"
+
+        async def pause_generation(self, *, mode="abort", clear_cache=True):
+            calls.append([mode, clear_cache])
+
+    engine = vllm_rollout.PauseModeEngine(Engine())
+    asyncio.run(engine.pause_generation(wait_for_inflight_requests=False, clear_cache=True))  # VeRL's call
+    asyncio.run(engine.pause_generation(wait_for_inflight_requests=True, clear_cache=False))
+    asyncio.run(engine.pause_generation(mode="keep"))
+    print(json.dumps({
+        "tpu_class": cls is vllm_rollout.TpuvLLMReplica, "subclass": issubclass(cls, vLLMReplica),
+        "server_subclass": issubclass(vllm_rollout.TpuvLLMHttpServer, vLLMHttpServer),
+        "vllm_takes_flag": vllm_rollout.takes_wait_flag(AsyncLLM.pause_generation),
+        "calls": calls, "attribute": engine.output_processor,
+    }))
+"""
+
+
+@needs_verl
+def test_vllm_rollout_through_verls_registry():
+    """On ``tpu``, VeRL's ``RolloutReplicaRegistry`` answers ``rollout.name=vllm`` with torchtpu's
+    subclass of VeRL's vLLM replica, whose server passes VeRL's ``pause_generation(
+    wait_for_inflight_requests=...)`` on as vLLM's ``mode`` (the installed vLLM takes no such flag,
+    which is why the adapter exists); on another platform VeRL's own replica is used."""
+    report = _fresh_verl(VLLM_ROLLOUT_REPORT, VERL_PLATFORM="tpu")
+    assert report == {"tpu_class": True, "subclass": True, "server_subclass": True, "vllm_takes_flag": False,
+                      "calls": [["abort", True], ["wait", False], ["keep", True]],
+                      "attribute": "the engine's own"}
+    other = _fresh_verl("""
+        import json
+        from verl.workers.rollout.replica import get_rollout_replica_class
+        from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMReplica
+        print(json.dumps({"verls": get_rollout_replica_class("vllm") is vLLMReplica}))
+    """, VERL_PLATFORM="nvidia")
+    assert other == {"verls": True}
 
 
 @needs_verl
@@ -195,6 +245,7 @@ def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):
     assert config.algorithm.adv_estimator == "grpo" and aro.rollout.n > 1
     assert aro.hybrid_engine is False and config.trainer.v1.trainer_mode == "separate_async"
     assert config.trainer.v1.separate_async.parameter_sync_step == 1
+    assert config.trainer.v1.separate_async.num_warmup_batches == 0  # on-policy: no batch sampled ahead
     assert config.data.train_batch_size == aro.actor.ppo_mini_batch_size  # so: one sync per step
     assert aro.actor.strategy == "fsdp2" and config.trainer.device == "tpu"
     assert aro.rollout.name == "vllm" and aro.rollout.mode == "async" and aro.rollout.n_gpus_per_node == 1
@@ -262,22 +313,31 @@ def test_trl_grpo_learns_the_toy_task(tmp_path, model_dir):  # noqa: F811
 @pytest.mark.slow
 def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: F811
     """VeRL's recipe for 3 steps, the FSDP2 actor and the vLLM rollout on separate ``tpu``
-    devices under Ray, a weight sync after each step: every step is logged, the actor's
-    recomputed probabilities of the rollout's tokens match the rollout engine's (VeRL's
-    ``training/rollout_probs_diff_mean``; float32 on both sides), and the sync ran each step.
-
-    NOT YET SEEN PASSING: on the 2-core, 24 GiB development machine shared with other work the
-    run did not get past Ray's start (its 30 s raylet timeout at load 44) and its out-of-memory
-    monitor (about 10 processes of ~1 GB each: VeRL's task runner, TransferQueue, the actor, the
-    rollout worker, vLLM's server, engine core and worker, the reward and agent-loop workers)."""
+    devices under Ray, a weight sync after each step. Every step is logged and on-policy (the
+    rollout sampled with the weights the actor had: staleness 0); the actor's recomputed
+    probabilities of the rollout's tokens match the rollout engine's (VeRL's
+    ``training/rollout_probs_diff_mean``, float32 on both sides); and after the third step's sync
+    the rollout's greedy responses (VeRL's validation, dumped) equal Hugging Face ``generate``
+    with the actor's weights of that step (saved by VeRL as a Hugging Face checkpoint), which
+    differ from the initial model's on some prompt (a learning rate of 0.05, so 3 steps change the
+    greedy tokens and a rollout left on the old weights would fail this)."""
     from torchtpu.integrations.verl import recipe
 
-    cmd = recipe.command(model_dir, tmp_path, 3)
+    cmd = recipe.command(model_dir, tmp_path, 3, recipe.greedy_check_overrides(tmp_path, 3), lr=0.05)
     out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=2400, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     steps = recipe.step_metrics(out.stdout)
+    print("probs diff mean/max per step:",
+          [(m["training/rollout_probs_diff_mean"], m["training/rollout_probs_diff_max"]) for m in steps])
     assert [int(m["step"]) for m in steps] == [1, 2, 3]
     for m in steps:
         assert m["training/rollout_probs_diff_valid"] == 1
         assert m["training/rollout_probs_diff_mean"] <= 1e-3, m
+        assert m["training/off_policy/trajectory_staleness/max"] == 0, m
         assert m["timing_s/update_weights"] > 0
+    rollout = recipe.rollout_greedy(tmp_path, 3)
+    actor = recipe.hf_greedy(recipe.actor_checkpoint(tmp_path, 3), tmp_path)
+    initial = recipe.hf_greedy(model_dir, tmp_path)
+    assert rollout.keys() == actor.keys() and len(rollout) >= 8
+    assert rollout == actor
+    assert any(actor[p] != initial[p] for p in actor), "3 steps left every greedy response as it was"

@@ -10,10 +10,15 @@ process groups (FSDP2's collectives run as XLA programs across the workers' devi
 ``TPU`` resource for its workers and rollout replicas, Ray's ``TPU_VISIBLE_CHIPS`` as the
 visible-devices variable, no CUDA IPC (weights reach the rollout through a checkpoint engine,
 never through shared device memory).
+
+It also puts a loader under ``vllm`` in VeRL's ``RolloutReplicaRegistry`` (``vllm_replica_class``):
+on ``tpu``, VeRL's vLLM server with its one call that vLLM 0.33 changed adapted
+(``vllm_rollout.py``); elsewhere VeRL's own.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from contextlib import contextmanager
@@ -21,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from verl.plugin.platform import PlatformBase, PlatformRegistry
+from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform
 
 from torchtpu.integrations.verl.names import (
     COMMUNICATION_BACKEND,
@@ -30,6 +35,28 @@ from torchtpu.integrations.verl.names import (
     RAY_RESOURCE,
     VISIBLE_DEVICES_VARIABLE,
 )
+
+logger = logging.getLogger(__name__)
+
+
+class _TpuDeviceModule(ModuleType):
+    """``torch.tpu`` as VeRL's ``get_torch_device()`` uses it, plus ``max_memory_reserved`` (the
+    peak of ``memory_stats()["reserved_bytes.all.peak"]``, as ``torch.cuda`` has it; VeRL's
+    workers log it after every forward), which this torchtpu's ``torch.tpu`` does not have yet.
+    Everything else is ``torch.tpu``'s own."""
+
+    def __init__(self):
+        super().__init__("torch.tpu")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.tpu, name)
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        return torch.tpu.memory_stats(device)["reserved_bytes.all.peak"]
+
+
+_DEVICE_MODULE = _TpuDeviceModule()
 
 
 @PlatformRegistry.register(platform=PLATFORM_NAME)
@@ -46,7 +73,9 @@ class PlatformTPU(PlatformBase):
 
     @property
     def device_module(self) -> ModuleType:
-        return torch.tpu
+        if hasattr(torch.tpu, "max_memory_reserved"):
+            return torch.tpu
+        return _DEVICE_MODULE
 
     def is_available(self) -> bool:
         return torch.tpu.is_available()
@@ -128,3 +157,31 @@ class PlatformTPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
+
+
+def vllm_replica_class() -> type:
+    """VeRL's ``RolloutReplicaRegistry`` loader for ``rollout.name=vllm``: on the ``tpu`` platform,
+    ``vllm_rollout.TpuvLLMReplica`` (VeRL's vLLM replica, its server adapted to vLLM 0.33's
+    ``pause_generation``); on any other, VeRL's own ``vLLMReplica``."""
+    if isinstance(get_platform(), PlatformTPU):
+        from torchtpu.integrations.verl.vllm_rollout import TpuvLLMReplica
+
+        return TpuvLLMReplica
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMReplica
+
+    return vLLMReplica
+
+
+def _register_rollout() -> None:
+    # VeRL swallows an entry point's exception (logged at DEBUG): a failure here is said aloud
+    # and leaves the platform registered
+    try:
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+        RolloutReplicaRegistry.register("vllm", vllm_replica_class)
+    except Exception as error:  # noqa: BLE001
+        logger.warning("torchtpu: VeRL's vLLM rollout for tpu not registered (%s: %s); "
+                       "VeRL's own vLLM server is used", type(error).__name__, error)
+
+
+_register_rollout()

@@ -65,6 +65,10 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
         # separate devices: no hybrid engine; weights synced after every step
         "actor_rollout_ref.hybrid_engine=False", "trainer.use_v1=True", "trainer.v1.trainer_mode=separate_async",
         "trainer.v1.separate_async.parameter_sync_step=1",
+        # no prompts generated ahead (VeRL's default prefetches one batch, sampled with the weights of
+        # the step before): each step's rollout uses the weights synced at the end of the previous
+        # step, the ones the actor recomputes the log-probs with
+        "trainer.v1.separate_async.num_warmup_batches=0",
         f"trainer.device={names.DEVICE}", "trainer.nnodes=1", f"trainer.n_gpus_per_node={actor_devices}",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1000", "trainer.logger=[console]",
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.critic_warmup=0",
@@ -83,6 +87,16 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
     ]
 
 
+def compiles_shape_asserts() -> bool:
+    """Whether torchtpu's ``torch.compile`` backend lowers ``aten._assert_scalar`` (the shape
+    assertions of a graph with symbolic sizes)."""
+    import torch
+
+    from torchtpu.compile.graph import has_lowering
+
+    return has_lowering(torch.ops.aten._assert_scalar.default)
+
+
 def environment() -> dict[str, str]:
     """The driver's environment (Ray's local workers inherit it): VeRL's platform, the rollout's
     vLLM platform, and one XLA:CPU device per process when the device is XLA:CPU."""
@@ -95,6 +109,11 @@ def environment() -> dict[str, str]:
            # VeRL 0.9.1's separate_async trainer, with hybrid_engine=False, logs at INFO with
            # logger.info(..., flush=True), a TypeError; at WARN level that line is not formatted
            "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARN")}
+    if not compiles_shape_asserts():
+        # the rollout's log-probs (vLLM's sampler: a torch.compile'd rank count over sizes marked
+        # unbacked) need torch.compile graphs with aten._assert_scalar, which this torchtpu's
+        # compiler does not lower yet: those small functions then run eagerly on tpu
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if env.get("TORCHTPU_PLATFORM") == "cpu":  # each worker process drives one device
         env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                     if not f.startswith("--xla_force_host_platform_device_count"))
@@ -114,15 +133,65 @@ def step_metrics(console_log: str) -> list[dict[str, float]]:
             if "step:" in line and "timing_s/" in line]
 
 
+def greedy_check_overrides(work_dir: str | Path, step: int) -> list[str]:
+    """Overrides for the greedy-tokens check at ``step``: after that step's weight sync VeRL
+    validates (its ``val_kwargs``: greedy, one sample a prompt) with the rollout and dumps the
+    generations (``trainer.validation_data_dir``), and the actor saves the weights it just synced
+    as a Hugging Face checkpoint (``checkpoint.save_contents=[hf_model]``, saved before the sync)."""
+    work_dir = Path(work_dir)
+    return [f"trainer.test_freq={step}", f"trainer.validation_data_dir={work_dir / 'validation'}",
+            f"trainer.save_freq={step}", "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"]
+
+
+def actor_checkpoint(work_dir: str | Path, step: int) -> Path:
+    """The Hugging Face checkpoint the actor saved at ``step`` (``greedy_check_overrides``)."""
+    return Path(work_dir) / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+
+
+def rollout_greedy(work_dir: str | Path, step: int) -> dict[str, str]:
+    """The rollout's greedy response to each validation prompt VeRL dumped at ``step``
+    (``greedy_check_overrides``), both as VeRL decodes them (special tokens skipped)."""
+    import json
+
+    lines = (Path(work_dir) / "validation" / f"{step}.jsonl").read_text().splitlines()
+    return {sample["input"]: sample["output"] for sample in map(json.loads, lines)}
+
+
+def hf_greedy(model_dir: str | Path, work_dir: str | Path, max_new_tokens: int = 8) -> dict[str, str]:
+    """Hugging Face ``generate`` (greedy, CPU, float32) with the checkpoint in ``model_dir`` on
+    each prompt of the recipe's validation set, tokenized as VeRL's agent loop does (the chat
+    template, generation prompt added) and decoded as VeRL decodes: ``{prompt: response}``, the
+    keys ``rollout_greedy`` has."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for row in toy_task.read_parquet(Path(work_dir) / "data" / "test.parquet"):
+            ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+            prompt = torch.tensor([ids])
+            tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, len(ids):]
+            out[tokenizer.decode(ids, skip_special_tokens=True)] = tokenizer.decode(tokens, skip_special_tokens=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("work_dir")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--toy", action="store_true", help="the toy task's reward (answer with a number)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="the actor's learning rate")
+    parser.add_argument("--greedy-check", action="store_true",
+                        help="after the last step: validate greedily and save the actor's weights (greedy_check_overrides)")
     parser.add_argument("extra", nargs="*", help="Hydra overrides passed on to VeRL")
-    args = parser.parse_args()
-    cmd = command(args.model_dir, args.work_dir, args.steps, args.extra, toy=args.toy)
+    args = parser.parse_intermixed_args()  # overrides may follow --steps / --toy
+    extra = [*(greedy_check_overrides(args.work_dir, args.steps) if args.greedy_check else ()), *args.extra]
+    cmd = command(args.model_dir, args.work_dir, args.steps, extra, toy=args.toy, lr=args.lr)
     raise SystemExit(subprocess.call(cmd, env=environment()))
 
 

@@ -60,6 +60,17 @@ def write_parquet(path: str | Path, n: int, split: str = "train", seed: int = 0,
     return path
 
 
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """The rows ``write_parquet`` wrote (chat messages as plain lists of dicts)."""
+    import pandas as pd
+
+    out = []
+    for row in pd.read_parquet(path).to_dict("records"):
+        row["prompt"] = [dict(m) for m in row["prompt"]]
+        out.append(row)
+    return out
+
+
 def answers_with_a_number(response: str) -> float:
     """1.0 when the response contains a digit, else 0.0."""
     return 1.0 if _DIGIT.search(response) else 0.0
