@@ -66,6 +66,8 @@ def _run(python: str, assets: dict, folder: str, args: argparse.Namespace, compi
         sys.exit(f"a run did not finish within {args.timeout} s:\n{out[-4000:]}")
     wall = time.perf_counter() - started
     out = _ANSI.sub("", out)
+    with open(folder + ".log", "w") as log:
+        log.write(out)
     if proc.returncode != 0:
         sys.exit(f"{'compiled' if compiled else 'eager'} run failed:\n{out[-4000:]}")
     steps = {}
@@ -180,6 +182,8 @@ def _alternate(python: str, assets: dict, root: str, args: argparse.Namespace) -
         out, _ = proc.communicate()
         sys.exit(f"the alternating run did not finish within {args.timeout} s:\n{out[-4000:]}")
     out = _ANSI.sub("", out)
+    with open(os.path.join(root, "alternating.log"), "w") as log:
+        log.write(out)
     if proc.returncode != 0:
         sys.exit(f"the alternating run failed:\n{out[-4000:]}")
     times = {"eager": [], "compiled": []}
@@ -204,7 +208,8 @@ def _alternate(python: str, assets: dict, root: str, args: argparse.Namespace) -
         median[mode] = statistics.median(times[mode])
         print(f"| {mode} | {len(times[mode])} | {median[mode]:.3f} | {1 / median[mode]:.3f} | "
               f"{min(times[mode]):.3f} / {max(times[mode]):.3f} | {statistics.median(mfu[mode]):.1f} % |")
-    print(f"compiled / eager steps/s: {median['eager'] / median['compiled']:.2f}")
+    print(f"compiled / eager steps/s: {median['eager'] / median['compiled']:.2f} "
+          f"(TorchTitan's output: {os.path.join(root, 'alternating.log')})")
 
 
 def main() -> None:
