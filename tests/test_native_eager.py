@@ -159,6 +159,52 @@ def test_autograd_through_native_kernels():
     assert _calls("aten.addmm.default") > 0
 
 
+def test_backward_runs_natively_in_its_callers_mode():
+    """Autograd runs a backward pass on its own thread: the ops there follow the mode of the thread
+    that called ``backward()`` (execution.py's ``current``), natively when that is at once."""
+    torch.manual_seed(0)
+    w_cpu = torch.randn(8, 8, requires_grad=True)
+    x_cpu = torch.randn(4, 8)
+    (torch.tanh(x_cpu @ w_cpu) * 3).sum().backward()
+    for round, mode in enumerate(("defer_never", "defer_and_fuse", "defer_never")):
+        w = w_cpu.detach().to("tpu").requires_grad_()
+        x = x_cpu.to("tpu")
+        with torch.tpu.set_eager_mode(mode):
+            loss = (torch.tanh(x @ w) * 3).sum()
+            before = _calls("aten.tanh_backward.default"), _calls("aten.mm.default")
+            loss.backward()
+            after = _calls("aten.tanh_backward.default"), _calls("aten.mm.default")
+            grad = w.grad.cpu()
+        torch.testing.assert_close(grad, w_cpu.grad, rtol=1e-5, atol=1e-5)
+        if round == 2:  # (the first round may learn; the third runs what it learnt)
+            assert after[0] > before[0] and after[1] > before[1], (before, after)
+        elif mode == "defer_and_fuse":  # recorded by the caller's fused executor, none run at once
+            assert after == before, (before, after)
+
+
+def test_factories_run_natively_on_the_device_they_name():
+    """A factory's ``device`` is part of its key: an index given, or the current device's."""
+    if torch.tpu.device_count() < 2:
+        pytest.skip("needs two tpu devices")
+    made = []
+    for round in range(3):
+        before = _calls("aten.full.default"), _calls("aten.arange.default")
+        for current in (0, 1):
+            with torch.tpu.device(current):
+                for device in ("tpu", "tpu:1", "tpu:0"):
+                    a = torch.full((2, 3), 1.5 + current, device=device)
+                    b = torch.arange(5, device=device, dtype=torch.int32)
+                    made.append((device, current, a, b))
+        if round == 2:  # (the earlier rounds learn every key)
+            assert _calls("aten.full.default") - before[0] == 6 and _calls("aten.arange.default") - before[1] == 6
+    for device, current, a, b in made:
+        index = current if device == "tpu" else int(device[-1])
+        assert a.device == b.device == torch.device("tpu", index)
+        assert torch.equal(a.cpu(), torch.full((2, 3), 1.5 + current))
+        assert torch.equal(b.cpu(), torch.arange(5, dtype=torch.int32))
+        assert a.cpu().sum().item() == (a + 0).sum().item()  # usable where it is
+
+
 def test_errors_are_pytorch_errors_naming_the_op():
     x = torch.ones(3, dtype=torch.int64, device="tpu")
     for _ in range(2):

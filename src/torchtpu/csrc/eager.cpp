@@ -36,6 +36,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Storage.h>
@@ -64,7 +65,8 @@ namespace {
 
 // Argument kinds, as eager/dispatch.py's _Signature: a tensor, a dynamic number (a cached device
 // scalar), a static value (part of the key).
-enum Kind : int8_t { kTensor = 0, kList = 1, kScalar = 3, kStatic = 4 };
+// a factory's `device` (static, and the device of its outputs when no tensor argument gives one).
+enum Kind : int8_t { kTensor = 0, kList = 1, kScalar = 3, kStatic = 4, kDevice = 5 };
 
 // Key tags: what follows each tag in the key.
 enum Tag : int64_t {
@@ -195,7 +197,21 @@ bool at_once() {
     Py_DECREF(execution);
     return ok;  // (another mode, or a stale follower copy: Python decides)
   }
-  if (at::impl::ThreadLocalPythonObjects::contains("context")) return false;  // an autograd thread
+  if (at::impl::ThreadLocalPythonObjects::contains("context")) {
+    // an autograd thread running a backward pass: its caller's mode (execution.py's `current`)
+    const auto& caller = at::impl::ThreadLocalPythonObjects::get("context");
+    PyObject* context = caller ? caller->ptr(&caller->pyinterpreter()) : nullptr;
+    if (context != nullptr && context != Py_None) {
+      PyObject* theirs = PyObject_GetItem(context, g.override_var);  // (KeyError: none of its own)
+      if (theirs == nullptr) {
+        PyErr_Clear();
+      } else {
+        bool ok = theirs == g.never;  // (another mode, or a stale follower copy: Python decides)
+        Py_DECREF(theirs);
+        return ok;
+      }
+    }
+  }
   return module_global(g.execution_globals, g.s_default) == g.never;
 }
 
@@ -670,6 +686,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   while (positional_end > 0 && is_default(positional_end - 1)) positional_end--;
   DynList dyn;
   int device = -1;
+  int factory_device = -1;  // a `device` argument's index (the current device where it names none)
   for (size_t i = 0; ok && i < nargs; i++) {
     const c10::IValue& v = args[i];
     if (i < kwarg_only_start ? i >= positional_end : is_default(i)) {
@@ -711,11 +728,28 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
           }
         }
         break;
+      case kDevice:
+        if (v.isNone()) {
+          key.push_back(tNone);
+        } else if (v.isDevice() && v.toDevice().type() == c10::DeviceType::PrivateUse1) {
+          // as dispatch._device_index: the index given, else the current device (the device guard's)
+          c10::Device given = v.toDevice();
+          factory_device = given.has_index()
+                               ? given.index()
+                               : c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+          key.push_back(tDevice);
+          key.push_back(static_cast<int64_t>(given.type()));
+          key.push_back(factory_device);  // (its programs place their outputs on that device)
+        } else {
+          ok = false;
+        }
+        break;
       default:
         ok = static_key(v, key);
     }
   }
-  if (!ok || device < 0) {  // (no tpu tensor: a factory, whose device is Python's to find)
+  if (ok && device < 0) device = factory_device;  // a factory: the device it names
+  if (!ok || device < 0) {  // (no tpu tensor and no tpu device named: Python finds the device)
     PyErr_Clear();
     self.left_[2]++;
     py::gil_scoped_release release;
