@@ -7,10 +7,12 @@ the Python kernel's run), the DEFER_AND_FUSE and capture modes, deferred or dtyp
 errors. See the C++ file's header for the per-call work.
 
 Eligible: a functional ``dispatch.Kernel`` (or its in-place variant) whose arguments are tensors,
-tensor lists, numbers and static values (no index lists), returning one tensor or a tuple of them, whose program runs under ``jax.jit``
-(not data-dependent), draws no random numbers, has no device-side index checks and no factory
-``device`` argument, and whose PyTorch argument checks (``argument_errors.CHECKS``) look only at
-arguments with defaults (the C++ kernel leaves a call with a non-default one to Python).
+tensor lists, numbers, static values (no index lists) and a factory's ``device`` (a ``tpu`` one:
+its index, or the current device, is part of the key and the outputs' device when no tensor gives
+one), returning one tensor or a tuple of them, whose program runs under ``jax.jit`` (not
+data-dependent), draws no random numbers, has no device-side index checks, and whose PyTorch
+argument checks (``argument_errors.CHECKS``) look only at arguments with defaults (the C++ kernel
+leaves a call with a non-default one to Python).
 
 ``TORCHTPU_NATIVE_EAGER=0`` (or ``set_enabled(False)``) sends every call to the Python kernels.
 """
@@ -31,6 +33,7 @@ from torchtpu.runtime import compat, execution, native
 from torchtpu.runtime.dtypes import TORCH_TO_JAX
 
 _KIND = {dispatch._TENSOR: 0, dispatch._LIST: 1, dispatch._SCALAR: 3, dispatch._STATIC: 4}
+_DEVICE = 5  # a factory's ``device``: static, and its outputs' device when no tensor gives one
 _module = None  # the extension, once set up
 REGISTERED: list = []  # the ops with a native kernel
 
@@ -90,7 +93,7 @@ def eligible(op, kernel) -> tuple | None:
     if type(kernel) is not dispatch.Kernel or op.namespace != "aten":
         return None
     low, sig = kernel.lowering, kernel.sig
-    if not low.jit or low.random or low.checked or low.mutates or sig.device_arg or sig.returns_list \
+    if not low.jit or low.random or low.checked or low.mutates or sig.returns_list \
             or sig.returns_none or sig.generator is not None:
         return None
     arguments = op._schema.arguments
@@ -99,7 +102,7 @@ def eligible(op, kernel) -> tuple | None:
         kind = sig.keyword.get(a.name) if a.kwarg_only else sig.positional[i]
         if kind not in _KIND or a.is_out:
             return None
-        kinds.append(_KIND[kind])
+        kinds.append(_DEVICE if a.name == "device" and sig.device_arg else _KIND[kind])
     if not all(str(r.type) in ("Tensor", "Tensor(a!)") for r in op._schema.returns):
         return None
     names = [a.name for a in arguments]
