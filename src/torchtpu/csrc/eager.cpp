@@ -91,6 +91,7 @@ struct Globals {
   PyObject* op_counts = nullptr;         // metrics.ops (a Counter)
   PyObject* write_back = nullptr;        // native_kernels.write_back(target, value, name)
   PyObject* wrap_laid_out = nullptr;     // native_kernels.wrap_laid_out(out, device, layouts)
+  PyObject* defer_check = nullptr;       // ops/checks.py's defer(code, blocking)
   PyObject* s_fn = nullptr;
   PyObject* s_layouts = nullptr;
   PyObject* s_jax = nullptr;             // "_jax"
@@ -152,9 +153,9 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
 class NativeOp final : public c10::OperatorKernel {
  public:
   NativeOp(py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
-           const std::string& metric, bool inplace)
+           const std::string& metric, bool inplace, bool checked)
       : kernel_(std::move(kernel)), kinds_(std::move(kinds)), triggers_(std::move(triggers)), dots_(dots),
-        name_(py::str(metric)), inplace_(inplace) {}
+        name_(py::str(metric)), inplace_(inplace), checked_(checked) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     run(*this, op, stack);
@@ -166,6 +167,7 @@ class NativeOp final : public c10::OperatorKernel {
   bool dots_;
   py::object name_;               // str(op), the metrics' key
   bool inplace_;                  // op_(self, ...): the functional program's result written into self
+  bool checked_;                  // its programs return the device-side index checks' code last
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;
   int64_t native_calls_ = 0;
   // calls left to Python, by why: another mode/capture, a checked argument, an argument the walk
@@ -780,6 +782,24 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     py::gil_scoped_release release;
     return to_python(op, stack);
   }
+  if (self.checked_) {  // (outputs..., code): the code kept until the next synchronisation, as
+                        // dispatch.Kernel._execute keeps it (checks.defer; this mode never blocks)
+    Py_ssize_t n = PyTuple_Check(out) ? PyTuple_GET_SIZE(out) : 0;
+    PyObject* results = nullptr;
+    if (n >= 2) {
+      PyObject* done = PyObject_CallFunctionObjArgs(g.defer_check, PyTuple_GET_ITEM(out, n - 1), Py_False, nullptr);
+      if (done != nullptr) {
+        Py_DECREF(done);
+        results = op.schema().returns().size() == 1 ? PyTuple_GET_ITEM(out, 0) : PyTuple_GetSlice(out, 0, n - 1);
+        if (op.schema().returns().size() == 1) Py_INCREF(results);
+      }
+    } else {
+      PyErr_SetString(PyExc_TypeError, "tpu: a checked native eager program returned no check code");
+    }
+    Py_DECREF(out);
+    if (results == nullptr) throw py::error_already_set();
+    out = results;
+  }
   if (self.inplace_) {
     at::Tensor target = args[0].toTensor();
     bool written = write_into(target, out, self);
@@ -847,6 +867,7 @@ void native_eager_setup(py::dict refs) {
   g.op_counts = keep(refs["op_counts"]);
   g.write_back = keep(refs["write_back"]);
   g.wrap_laid_out = keep(refs["wrap_laid_out"]);
+  g.defer_check = keep(refs["defer_check"]);
   g.s_fn = PyUnicode_InternFromString("fn");
   g.s_layouts = PyUnicode_InternFromString("layouts");
   g.s_jax = PyUnicode_InternFromString("_jax");
@@ -869,11 +890,11 @@ void native_eager_setup(py::dict refs) {
 
 void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
                            py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
-                           bool inplace) {
+                           bool inplace, bool checked) {
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::PrivateUse1,
                                               __FILE__, __LINE__);
   auto functor = std::make_unique<NativeOp>(std::move(kernel), std::move(kinds), std::move(triggers), dots,
-                                            metric, inplace);
+                                            metric, inplace, checked);
   registered_ops().push_back(functor.get());
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(functor)));
   G().libraries.push_back(std::move(lib));

@@ -41,11 +41,11 @@ namespace py = pybind11;
 
 namespace torchtpu {
 void register_autocast();  // autocast.cpp: PyTorch's CUDA autocast policy on AutocastPrivateUse1
-// eager.cpp: the native eager kernel (torchtpu/eager/native.py)
+// eager.cpp: the native eager kernel (torchtpu/eager/native_kernels.py)
 void native_eager_setup(py::dict refs);
 void native_eager_register(const std::string& ns, const std::string& name, const std::string& metric,
                            py::object kernel, std::vector<int8_t> kinds, std::vector<int64_t> triggers, bool dots,
-                           bool inplace);
+                           bool inplace, bool checked);
 void native_eager_clear();
 void native_eager_forget();
 void native_views_register();
@@ -623,9 +623,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "register_autocast() -> None: PyTorch's CUDA autocast policy as the AutocastPrivateUse1 "
         "kernels (once per process)");
   m.def("native_eager_setup", &torchtpu::native_eager_setup, "native_eager_setup(refs): what the native "
-        "eager kernel reads of the Python side (eager/native.py)");
+        "eager kernel reads of the Python side (eager/native_kernels.py)");
   m.def("native_eager_register", &torchtpu::native_eager_register,
-        "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots, inplace): the C++ kernel of one op on "
+        "native_eager_register(ns, name, metric, kernel, kinds, triggers, dots, inplace, checked): the C++ kernel of one op on "
         "PrivateUse1 (its Python kernel must be on PrivateUse2)");
   m.def("native_eager_clear", &torchtpu::native_eager_clear, "deregister every native eager kernel");
   m.def("native_eager_forget", &torchtpu::native_eager_forget, "drop every program the native kernels learned");

@@ -10,7 +10,8 @@ Eligible: a functional ``dispatch.Kernel`` (or its in-place variant) whose argum
 tensor lists, numbers, static values (no index lists) and a factory's ``device`` (a ``tpu`` one:
 its index, or the current device, is part of the key and the outputs' device when no tensor gives
 one), returning one tensor or a tuple of them, whose program runs under ``jax.jit`` (not
-data-dependent), draws no random numbers, has no device-side index checks, and whose PyTorch
+data-dependent), draws no random numbers (device-side index checks are kept as the Python kernel
+keeps them: the program's code goes to ``checks.defer``), and whose PyTorch
 argument checks (``argument_errors.CHECKS``) look only at arguments with defaults (the C++ kernel
 leaves a call with a non-default one to Python).
 
@@ -28,7 +29,7 @@ from torchtpu import metrics
 from torchtpu.config import config
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, dispatch, modes
-from torchtpu.ops import precision
+from torchtpu.ops import checks, precision
 from torchtpu.runtime import compat, execution, native
 from torchtpu.runtime.dtypes import TORCH_TO_JAX
 
@@ -61,6 +62,7 @@ def _setup():
         "op_counts": metrics.ops,
         "write_back": write_back,
         "wrap_laid_out": wrap_laid_out,
+        "defer_check": checks.defer,
         "dtypes": [(t, np.dtype(j)) for t, j in TORCH_TO_JAX.items()],
     })
     bridge.use_native_addresses(module.native_reserve_address, module.native_set_next_address)
@@ -93,7 +95,7 @@ def eligible(op, kernel) -> tuple | None:
     if type(kernel) is not dispatch.Kernel or op.namespace != "aten":
         return None
     low, sig = kernel.lowering, kernel.sig
-    if not low.jit or low.random or low.checked or low.mutates or sig.returns_list \
+    if not low.jit or low.random or low.mutates or sig.returns_list \
             or sig.returns_none or sig.generator is not None:
         return None
     arguments = op._schema.arguments
@@ -158,7 +160,7 @@ def install(lib_for, kernels: dict) -> set:
         inplace = type(kernel) is dispatch.InplaceKernel
         functional = kernel.functional if inplace else kernel  # (its run reports what the C++ kernel learns)
         module.native_eager_register(op.namespace, impl, str(op), functional, kinds, triggers,
-                                     bool(functional.dots), inplace)
+                                     bool(functional.dots), inplace, bool(functional.lowering.checked))
         done.add(op)
     REGISTERED[:] = sorted(done, key=str)
     views = _native_views(kernels)
