@@ -14,7 +14,8 @@ Both parts train the tiny random Llama of ``tools/make_tiny_llama.py`` on the to
   compiles) are averaged.
 * ``verl``: VeRL's recipe (``torchtpu.integrations.verl.recipe``: FSDP2 actor and vLLM rollout on
   separate devices). VeRL's own step timers (``timing_s/gen``, ``old_log_prob``,
-  ``update_actor``, ``update_weights``, ``step``) are read from its console log.
+  ``update_actor``, ``update_weights``, ``step``) are read from its console log; the rest of a
+  step (advantages, metrics, TransferQueue reads and writes) is in ``step`` but in no share.
 
 Rollout tokens/s: the completion tokens of a step over its rollout time, against Transformers
 ``generate`` on ``tpu`` making the same number of completions of the same length (sampling,
@@ -127,7 +128,10 @@ def trl_part(model_dir: Path, work: Path, steps: int) -> dict:
 def verl_part(model_dir: Path, work: Path, steps: int, timeout: float = 1800) -> dict:
     from torchtpu.integrations.verl import recipe
 
-    cmd = recipe.command(model_dir, work / "verl", steps, toy=True)
+    prompts, n, response_length = 4, 4, 8
+    sequences = prompts * n
+    cmd = recipe.command(model_dir, work / "verl", steps, toy=True, prompts_per_step=prompts, n=n,
+                         response_length=response_length)
     out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=timeout, check=False)
     (work / "verl.log").write_text(out.stdout + out.stderr)
     metrics = recipe.step_metrics(out.stdout)
@@ -140,12 +144,12 @@ def verl_part(model_dir: Path, work: Path, steps: int, timeout: float = 1800) ->
         values = [m[key] for m in measured if key in m]
         return sum(values) / len(values) if values else 0.0
 
-    tokens = mean("response_length/mean") * mean("response_length/count") if "response_length/count" in measured[0] \
-        else None
+    tokens = mean("response_length/mean") * sequences  # completion tokens of a step
     return {"step": mean("timing_s/step"), "rollout": mean("timing_s/gen"), "logprob": mean("timing_s/old_log_prob"),
             "train": mean("timing_s/update_actor"), "sync": mean("timing_s/update_weights"),
-            "tokens_per_s": tokens / mean("timing_s/gen") if tokens else float("nan"),
-            "probs_diff": mean("training/rollout_probs_diff_mean"), "rewards": [m.get("critic/score/mean") for m in metrics]}
+            "tokens_per_s": tokens / mean("timing_s/gen"), "sequences": sequences, "new_tokens": response_length,
+            "probs_diff": mean("training/rollout_probs_diff_mean"), "log_ppl_diff": mean("rollout_corr/log_ppl_abs_diff"),
+            "rewards": [m.get("critic/score/mean") for m in metrics]}
 
 
 def print_table(rows: dict[str, dict], hf: dict[str, float]) -> None:
@@ -171,8 +175,9 @@ def main() -> None:
             hf["TRL"] = hf_generate_tokens_per_s(model_dir, rows["TRL"]["sequences"], rows["TRL"]["new_tokens"])
         if args.part == "verl":
             rows["VeRL"] = verl_part(model_dir, work, args.steps)
-            hf["VeRL"] = hf_generate_tokens_per_s(model_dir, 16, 8)
-            print(f"VeRL: actor vs rollout mean |prob diff| {rows['VeRL']['probs_diff']:.2e}")
+            hf["VeRL"] = hf_generate_tokens_per_s(model_dir, rows["VeRL"]["sequences"], rows["VeRL"]["new_tokens"])
+            print(f"VeRL: actor vs rollout mean |prob diff| {rows['VeRL']['probs_diff']:.2e}, "
+                  f"mean |log-ppl diff| {rows['VeRL']['log_ppl_diff']:.2e}; mean reward per step {rows['VeRL']['rewards']}")
         print(f"GRPO step on tpu ({os.environ['TORCHTPU_PLATFORM']}), steps after the first averaged; "
               f"shares of the step:")
         print_table(rows, hf)

@@ -236,8 +236,9 @@ def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):
 
     from torchtpu.integrations.verl import recipe
 
-    lines = recipe.step_metrics("step:2 - timing_s/gen:1.5 - critic/score/mean:0.25 - x/nan:nan")
+    lines = recipe.step_metrics("step:2 - timing_s/gen:1.5 - critic/score/mean:0.25 - x/nan:nan - s/max:np.int64(3)")
     assert lines[0]["timing_s/gen"] == 1.5 and lines[0]["step"] == 2 and lines[0]["critic/score/mean"] == 0.25
+    assert lines[0]["s/max"] == 3
     with initialize_config_module("verl.trainer.config", version_base=None):
         config = compose("ppo_trainer", overrides=recipe.overrides(model_dir, tmp_path, steps=3))
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
@@ -248,6 +249,8 @@ def test_recipe_config_is_verls_grpo_with_separate_devices(tmp_path, model_dir):
     assert config.trainer.v1.separate_async.num_warmup_batches == 0  # on-policy: no batch sampled ahead
     assert config.data.train_batch_size == aro.actor.ppo_mini_batch_size  # so: one sync per step
     assert aro.actor.strategy == "fsdp2" and config.trainer.device == "tpu"
+    assert dict(aro.actor.fsdp_config.mixed_precision) == {  # float32 compute, not VeRL's bfloat16 default
+        "param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     assert aro.rollout.name == "vllm" and aro.rollout.mode == "async" and aro.rollout.n_gpus_per_node == 1
     assert dict(config.ray_kwargs.ray_init.resources)["TPU"] == 2
     engine = aro.rollout.checkpoint_engine
@@ -327,12 +330,13 @@ def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: 
     out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=2400, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     steps = recipe.step_metrics(out.stdout)
-    print("probs diff mean/max per step:",
-          [(m["training/rollout_probs_diff_mean"], m["training/rollout_probs_diff_max"]) for m in steps])
+    print("probs diff mean/max, log-ppl abs diff per step:", [(m["training/rollout_probs_diff_mean"],
+          m["training/rollout_probs_diff_max"], m["rollout_corr/log_ppl_abs_diff"]) for m in steps])
     assert [int(m["step"]) for m in steps] == [1, 2, 3]
     for m in steps:
         assert m["training/rollout_probs_diff_valid"] == 1
         assert m["training/rollout_probs_diff_mean"] <= 1e-3, m
+        assert m["rollout_corr/log_ppl_abs_diff"] <= 1e-3, m  # per sequence, |mean log-prob difference|
         assert m["training/off_policy/trajectory_staleness/max"] == 0, m
         assert m["timing_s/update_weights"] > 0
     rollout = recipe.rollout_greedy(tmp_path, 3)

@@ -51,6 +51,8 @@ def overrides(model_dir: str | Path, work_dir: str | Path, steps: int = 3, *, to
         # FSDP2 on tpu_dist, float32 (the log-prob check compares float32 with float32)
         f"{a}.strategy=fsdp2", f"{a}.fsdp_config.strategy=fsdp2", f"{a}.fsdp_config.model_dtype=fp32",
         f"{a}.fsdp_config.dtype=float32", f"{a}.use_torch_compile=False", f"{a}.fsdp_config.use_torch_compile=False",
+        # VeRL's FSDP engine otherwise computes in bfloat16 (its MixedPrecision default, and autocast to it)
+        f"+{a}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}",
         # the rollout: VeRL's vLLM server mode, on its own device
         f"{r}.name=vllm", f"{r}.mode=async", f"{r}.n={n}", f"{r}.tensor_model_parallel_size=1",
         f"{r}.dtype=float32", f"{r}.gpu_memory_utilization=0.2", f"{r}.max_model_len=128",
@@ -124,7 +126,7 @@ def command(model_dir, work_dir, steps: int = 3, extra: list[str] = (), **kwargs
     return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, work_dir, steps, **kwargs), *extra]
 
 
-_METRIC = re.compile(r"([\w/@.\-]+):([-+0-9.eE]+|nan)")
+_METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?([-+0-9.eE]+|nan)")  # a value, or numpy's repr of one
 
 
 def step_metrics(console_log: str) -> list[dict[str, float]]:
