@@ -487,6 +487,24 @@ def test_linalg_error_checks_run_inside_compiled_graphs(no_fallback):
         fn(torch.zeros(3, 3, device="tpu")).cpu()
 
 
+def test_shape_checks_on_unbacked_sizes_compile(no_fallback):
+    # vLLM's sampler (log-probs) compiles a function that torch._check's an unbacked batch size:
+    # its graph holds aten._assert_scalar, checked while the graph is traced.
+    @torch.compile(backend="tpu")
+    def count(x, values):
+        torch._check(x.shape[0] >= 1)
+        torch._check(x.shape[0] == values.shape[0])
+        return (x >= values).sum(-1)
+
+    for rows in (3, 5):
+        x = torch.randn(rows, 64)
+        v = x[:, :1].clone()
+        xt, vt = tpu(x), tpu(v)
+        torch._dynamo.decorators.mark_unbacked(xt, 0)
+        torch._dynamo.decorators.mark_unbacked(vt, 0)
+        assert torch.equal(count(xt, vt).cpu(), (x >= v).sum(-1))
+
+
 def test_random_op_after_a_graph_break(no_fallback):
     # After a graph break dynamo runs our eager kernels; compiling one must not trace into
     # ml_dtypes (jax calls it): that crashed with InternalTorchDynamoError.

@@ -110,6 +110,7 @@ def test_mem_get_info_and_reserved():
     stats = torch.tpu.memory_stats()
     assert torch.tpu.memory_reserved() == stats["reserved_bytes.all.current"] >= stats["allocated_bytes.all.current"]
     assert stats["reserved_bytes.all.peak"] >= stats["reserved_bytes.all.current"]
+    assert torch.tpu.max_memory_reserved() == torch.tpu.memory_stats()["reserved_bytes.all.peak"] >= torch.tpu.memory_reserved()
     with pytest.raises(RuntimeError, match="Invalid device ordinal"):
         torch.tpu.mem_get_info(torch.tpu.device_count())
 

@@ -178,6 +178,10 @@ def max_memory_allocated(device: Any = None) -> int:
     return memory_stats(device)["allocated_bytes.all.peak"]
 
 
+def max_memory_reserved(device: Any = None) -> int:
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
 def reset_peak_memory_stats(device: Any = None) -> None:
     from torchtpu.runtime import memory
 
@@ -245,7 +249,7 @@ _PUBLIC = [
     "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "get_device_name", "get_device_capability",
     "get_device_properties", "memory_stats", "memory_allocated", "max_memory_allocated",
-    "reset_peak_memory_stats", "memory_reserved", "mem_get_info", "empty_cache", "get_amp_supported_dtype",
+    "reset_peak_memory_stats", "memory_reserved", "max_memory_reserved", "mem_get_info", "empty_cache", "get_amp_supported_dtype",
     "_is_in_bad_fork", "_lazy_init",
 ]
 

@@ -190,6 +190,14 @@ lowering(*_IDENTITIES, graph_only=True)(_identity)
 lowering(aten._to_copy.default, graph_only=True)(_to_copy)
 
 
+@lowering(aten._assert_scalar.default, static_scalars=True, graph_only=True)
+def _assert_scalar(condition, assert_msg):
+    """A graph's shape assertion (``torch._check`` on a symbolic size): sizes are concrete while
+    the graph is traced, so it is checked then, once per program."""
+    if not condition:
+        raise RuntimeError(assert_msg)
+
+
 @lowering(aten.copy.default, aten.copy_.default, graph_only=True)
 def _copy(dst, src, non_blocking=False):
     return jnp.broadcast_to(convert(src, dst.dtype), dst.shape)
