@@ -99,6 +99,7 @@ RL_TESTS=(
     "$T/test_rl.py::test_toy_rows_read_by_verl_and_scored"
     "$T/test_rl.py::test_checkpoint_engine_moves_tpu_weights_to_every_receiver"
     "$T/test_rl.py::test_recipe_config_is_verls_grpo_with_separate_devices"
+    "$T/test_rl.py::test_vllm_rollout_through_verls_registry"
 )
 RL_TRL_TESTS=("$T/test_rl.py::test_trl_grpo_loss_and_gradients_match_cpu")
 
