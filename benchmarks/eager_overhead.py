@@ -9,6 +9,13 @@ default) and with it switched off (every call through its Python kernel, the ref
 Another column times the same computation as a bare ``jax.jit`` call on the same device: the
 floor that any JAX-based eager op pays, so ``native - jax.jit`` is torchtpu's own overhead. Small
 ops measure dispatch cost; matmul adds real work.
+
+A second table is the per-op budget of the native path: three more loops per op with the C++
+kernel's stage timer on (``native_kernels.budget``) splits a call into the time outside the kernel
+(the Python binding of the torch call, PyTorch's dispatcher, the result back to Python, the loop),
+the GIL, mode check and argument walk, the table lookup, the JAX call (the jitted program through
+vectorcall: JAX's own dispatch and XLA's launch), the outputs (storage and tensor built, or the
+in-place write) and the op count.
 """
 
 from __future__ import annotations
@@ -106,6 +113,22 @@ def _timed(where: str, fn: Callable, iters: int) -> float:
         native_kernels.set_enabled(True)
 
 
+def budget_case(fn: Callable, iters: int) -> dict[str, float] | None:
+    """One loop of the native path with the C++ stage timer on: {stage: us per call}, "total" and
+    "outside the kernel" (None where the native kernel is off)."""
+    if not native_kernels.enabled():
+        return None
+    native_kernels.budget(True)
+    try:
+        total = _loop(fn, "tpu", iters)
+        calls, stages = native_kernels.budget_read()
+    finally:
+        native_kernels.budget(False)
+    if calls < iters:
+        return None  # (the op did not run natively)
+    return {"total": total, "outside the kernel": total - sum(stages.values()), **stages}
+
+
 def time_case(case: Case, repeats: int, iters: int) -> dict[str, float]:
     """Median microseconds per call on each place; their loops alternate so all see the same load."""
     fns = {where: _bound(case, where) for where in PLACES}
@@ -116,7 +139,11 @@ def time_case(case: Case, repeats: int, iters: int) -> dict[str, float]:
     for _ in range(repeats):
         for where, fn in fns.items():
             samples[where].append(_timed(where, fn, iters))
-    return {where: statistics.median(values) for where, values in samples.items()}
+    medians = {where: statistics.median(values) for where, values in samples.items()}
+    budgets = [b for b in (budget_case(fns["tpu"], iters) for _ in range(3)) if b is not None]
+    if budgets:  # the figures of the loop with the median total
+        medians["budget"] = sorted(budgets, key=lambda b: b["total"])[len(budgets) // 2]
+    return medians
 
 
 def run(repeats: int = 7, iters: int = 200, only: str | None = None) -> list[tuple[Case, dict[str, float]]]:
@@ -138,6 +165,20 @@ def table(rows: list[tuple[Case, dict[str, float]]]) -> str:
                      f"| {us['tpu python']:.1f} | {us['jax']:.1f} | {us['tpu'] / us['cpu']:.2f}x "
                      f"| {us['tpu python'] / us['tpu']:.2f}x | {us['tpu'] - us['jax']:.1f} |")
     return "\n".join(lines)
+
+
+def budget_table(rows) -> str:
+    """Where each microsecond of a native call goes (ops in backticks)."""
+    stages = ["outside the kernel", *native_kernels.BUDGET_STAGES]
+    lines = ["| op (native budget) | total (us) | " + " | ".join(f"{s} (us)" for s in stages) + " | bare jax.jit (us) |",
+             "| --- | ---: | " + " | ".join("---:" for _ in stages) + " | ---: |"]
+    for case, us in rows:
+        b = us.get("budget")
+        if b is None:
+            continue
+        lines.append(f"| `{case.name}` | {b['total']:.1f} | " + " | ".join(f"{b[s]:.1f}" for s in stages)
+                     + f" | {us['jax']:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
@@ -187,6 +228,11 @@ def report(rows, repeats: int, iters: int) -> str:
         lines += ["", f"Small ops on tpu, native: median {median:.1f} us, worst {max(small):.1f} us, median "
                       f"{ratio:.2f}x PyTorch's CPU eager ({verdict} the {TARGET_US:.0f} us and 3.5x target); "
                       f"through the Python kernels: median {python:.1f} us."]
+    budget = budget_table(rows)
+    if budget:
+        lines += ["", "Where a native call's time goes (three more loops per op, the one with the median total, the C++ kernel's "
+                      "stage timer on; \"outside the kernel\": the torch call's Python binding, PyTorch's "
+                      "dispatcher, the result back to Python, the loop):", "", budget]
     return "\n".join(lines)
 
 

@@ -145,7 +145,18 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     assert bench.main(["--repeats", "1", "--iters", "5", "--only", "add"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| add")]
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| add")]
+    budget = [line for line in out if line.startswith("| `add")]  # where a native call's time goes
+    from torchtpu.eager import native_kernels
+    if native_kernels.enabled():
+        assert [r.split("|")[1].strip() for r in budget] == ["`add`", "`add_ (in place)`"]
+        for row in budget:
+            total, outside, *stages, jax_us = (float(c) for c in row.split("|")[2:-1])
+            assert len(stages) == 5 and all(t >= 0 for t in stages) and stages[2] > 0  # (the JAX call)
+            assert outside + sum(stages) == pytest.approx(total, abs=0.11)
+    else:
+        assert not budget
     assert [r.split("|")[1].strip() for r in rows] == ["add", "add_ (in place)"]
     for row in rows:
         cpu_us, tpu_us, python_us, jax_us, ratio, python_ratio, overhead = (

@@ -51,6 +51,7 @@
 #include <ATen/ops/view_native.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -109,6 +110,12 @@ struct Globals {
   // (tag, bits) -> a cached 0-d device array (owned references)
   std::unordered_map<std::pair<int64_t, int64_t>, PyObject*, c10::hash<std::pair<int64_t, int64_t>>> scalars;
   std::atomic<int64_t> next_address{int64_t(1) << 40};
+  // Where a native call's time goes (off by default; benchmarks/eager_overhead.py's budget): calls
+  // timed, and ns spent per stage, summed over them: the GIL, mode check and argument walk; the
+  // table lookup; the JAX call; the outputs (tensors built or the in-place write); the op count.
+  bool budget_on = false;
+  int64_t budget_calls = 0;
+  int64_t budget_ns[5] = {};
   std::vector<std::unique_ptr<torch::Library>> libraries;
 };
 
@@ -626,9 +633,33 @@ void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* sta
   Py_XDECREF(last);
 }
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The stage times of one native call (read only when the budget is on).
+struct Stamps {
+  bool on;
+  int64_t t[6] = {};
+  explicit Stamps(bool on) : on(on) {
+    if (on) t[0] = now_ns();
+  }
+  void mark(int i) {
+    if (on) t[i] = now_ns();
+  }
+  void done(Globals& g) {  // (after the op count: stage 5)
+    if (!on) return;
+    t[5] = now_ns();
+    g.budget_calls++;
+    for (int i = 0; i < 5; i++) g.budget_ns[i] += t[i + 1] - t[i];
+  }
+};
+
 void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Globals& g = G();
   if (!g.enabled) return to_python(op, stack);
+  Stamps stamps(g.budget_on);
   py::gil_scoped_acquire gil;
   if (!at_once()) {
     self.left_[0]++;
@@ -766,6 +797,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
       return to_python(op, stack);
     }
   }
+  stamps.mark(1);
   auto found = self.table_.find(key);
   if (found == self.table_.end() || found->second.fn == nullptr) {
     if (found != self.table_.end() && found->second.misses >= kMaxMisses) {
@@ -776,7 +808,9 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     self.left_[4]++;
     return learn(self, op, stack, std::vector<int64_t>(key), dyn);
   }
+  stamps.mark(2);
   PyObject* out = PyObject_Vectorcall(found->second.fn, dyn.items.data(), dyn.items.size(), nullptr);
+  stamps.mark(3);
   if (out == nullptr) {  // an error: the Python kernel runs the call again and raises it as PyTorch would
     PyErr_Clear();
     py::gil_scoped_release release;
@@ -807,8 +841,10 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     if (!written) throw py::error_already_set();
     torch::jit::drop(*stack, nargs);
     stack->emplace_back(std::move(target));
+    stamps.mark(4);
     self.native_calls_++;
     count_op(self);
+    stamps.done(g);
     return;
   }
   PyObject* layouts = found->second.layouts;
@@ -826,16 +862,20 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
       }
     }
     Py_DECREF(wrapped);
+    stamps.mark(4);
     self.native_calls_++;
     count_op(self);
+    stamps.done(g);
     return;
   }
   torch::jit::drop(*stack, nargs);
   bool pushed = push_outputs(op, out, device, stack);
   Py_DECREF(out);
   if (!pushed) throw py::error_already_set();
+  stamps.mark(4);
   self.native_calls_++;
   count_op(self);
+  stamps.done(g);
 }
 
 // ------------------------------------------------------------------------- registration
@@ -960,6 +1000,18 @@ void native_set_next_address(int64_t next) {
   int64_t current = G().next_address.load();
   while (next > current && !G().next_address.compare_exchange_weak(current, next)) {
   }
+}
+
+void native_eager_budget(bool on) {
+  Globals& g = G();
+  g.budget_on = on;
+  g.budget_calls = 0;
+  for (int64_t& ns : g.budget_ns) ns = 0;
+}
+
+py::tuple native_eager_budget_read() {
+  Globals& g = G();
+  return py::make_tuple(g.budget_calls, g.budget_ns[0], g.budget_ns[1], g.budget_ns[2], g.budget_ns[3], g.budget_ns[4]);
 }
 
 py::dict native_eager_stats() {

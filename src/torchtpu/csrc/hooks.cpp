@@ -54,6 +54,8 @@ bool native_eager_enabled();
 int64_t native_reserve_address(int64_t nbytes);
 void native_set_next_address(int64_t next);
 py::dict native_eager_stats();
+void native_eager_budget(bool on);
+py::tuple native_eager_budget_read();
 }
 
 namespace {
@@ -637,6 +639,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "native_reserve_address(nbytes) -> int: a fresh fake device address (the one counter)");
   m.def("native_set_next_address", &torchtpu::native_set_next_address,
         "native_set_next_address(next): move the address counter forward to next");
+  m.def("native_eager_budget", &torchtpu::native_eager_budget,
+        "native_eager_budget(on): time the stages of native calls from now (the sums reset)");
+  m.def("native_eager_budget_read", &torchtpu::native_eager_budget_read,
+        "native_eager_budget_read() -> (calls, ns: walk, lookup, JAX call, outputs, op count)");
   m.def("native_eager_stats", &torchtpu::native_eager_stats,
         "native_eager_stats() -> {op: (native calls, keys, calls left to Python: mode, checked argument, argument, given up, learning)}");
 }

@@ -196,6 +196,24 @@ def set_enabled(on: bool) -> None:
     _module.native_eager_enable(bool(on))
 
 
+BUDGET_STAGES = ("GIL, mode check, argument walk", "table lookup", "JAX call", "outputs", "op count")
+
+
+def budget(on: bool) -> None:
+    """Time the stages of native calls from now on (``on``) or stop; the sums start again at 0."""
+    if _module is not None:
+        _module.native_eager_budget(bool(on))
+
+
+def budget_read() -> tuple[int, dict[str, float]]:
+    """(native calls timed since ``budget(True)``, {stage: microseconds per call}) — where the C++
+    kernel's time goes (``BUDGET_STAGES``); empty without the extension."""
+    if _module is None:
+        return 0, {}
+    calls, *ns = _module.native_eager_budget_read()
+    return calls, {stage: (t / calls / 1e3 if calls else 0.0) for stage, t in zip(BUDGET_STAGES, ns)}
+
+
 def stats() -> dict:
     """{op name: (calls run natively, call signatures known, calls left to Python because of: the
     mode or a capture, an argument PyTorch's checks look at, an argument the native walk does not
