@@ -284,3 +284,19 @@ def test_switched_off_every_op_runs_its_python_kernel():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "False", "[2.0,", "2.0,", "2.0]"]
+
+
+def test_a_number_evicted_on_the_python_side_is_learnt_again():
+    """The Python kernels' device scalars come from a bounded cache; when it evicts a number the
+    native side still holds, a new signature with that number must still be learnt (not given up
+    on), or a long-running process slowly falls back to Python."""
+    from torchtpu.eager import dispatch
+
+    for _ in range(3):
+        torch.full((2, 3), 1.25, device="tpu")
+    dispatch._cached_scalar.cache_clear()  # as an eviction would
+    before = _calls("aten.full.default")
+    for _ in range(4):
+        out = torch.full((2, 5), 1.25, device="tpu")
+    assert torch.equal(out.cpu(), torch.full((2, 5), 1.25))
+    assert _calls("aten.full.default") - before >= 2  # learnt again on the second call at the latest

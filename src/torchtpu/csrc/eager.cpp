@@ -152,6 +152,10 @@ struct DynList {
     for (PyObject* o : items) Py_DECREF(o);
   }
   void push(PyObject* o) { items.push_back(o); }  // steals
+  void release() {
+    for (PyObject* o : items) Py_DECREF(o);
+    items.clear();
+  }
 };
 
 class NativeOp;
@@ -619,6 +623,12 @@ void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* sta
     entry.misses = 0;
   } else if (!match) {
     entry.misses++;
+    // A common cause: the Python side's bounded scalar cache (dispatch._scalar) evicted a number
+    // this side still holds, and made a new array for it; this side's cache is dropped so that the
+    // next call takes the arrays Python holds now (a long-running process would otherwise give up
+    // on every new signature with that number).
+    for (auto& kv : g.scalars) Py_DECREF(kv.second);
+    g.scalars.clear();
     if (std::getenv("TORCHTPU_NATIVE_DEBUG")) {
       fprintf(stderr, "native eager: %s did not learn: python %zd values, native %zu:",
               py::str(self.name_).cast<std::string>().c_str(),
@@ -793,6 +803,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     bool whole = target.numel() >= kDonateFrom && target.is_contiguous() && target.storage_offset() == 0;
     if (whole && Py_REFCNT(dyn.items[0]) <= 2) {  // the storage and this walk: the Python kernel donates it
       self.left_[2]++;
+      dyn.release();  // (it counts the array's holders: this walk's reference must not be one)
       py::gil_scoped_release release;
       return to_python(op, stack);
     }
