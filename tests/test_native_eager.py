@@ -208,22 +208,23 @@ def test_factories_run_natively_on_the_device_they_name():
 def test_index_checked_ops_run_natively_and_still_raise():
     """embedding, gather, index_select check their indices on the device: the native kernel hands
     the check code on as the Python kernel does, so a bad index still raises at the next read."""
-    w = torch.randn(10, 4)
+    # (signatures of this test's own: float64, padding_idx 3, so no other test's history counts)
+    w = torch.randn(10, 4, dtype=torch.float64)
     idx = torch.tensor([[1, 2], [9, 0]])
     wt, it = w.to("tpu"), idx.to("tpu")
     for _ in range(3):
         before = _calls("aten.embedding.default"), _calls("aten.gather.default")
-        e = torch.nn.functional.embedding(it, wt)
+        e = torch.nn.functional.embedding(it, wt, padding_idx=3)
         g = torch.gather(wt, 0, it)
         s = torch.index_select(wt, 0, it[0])
-        assert torch.equal(e.cpu(), torch.nn.functional.embedding(idx, w))
+        assert torch.equal(e.cpu(), torch.nn.functional.embedding(idx, w, padding_idx=3))
         assert torch.equal(g.cpu(), torch.gather(w, 0, idx))
         assert torch.equal(s.cpu(), torch.index_select(w, 0, idx[0]))
     assert _calls("aten.embedding.default") > before[0] and _calls("aten.gather.default") > before[1]
     bad = torch.tensor([[1, 12]], device="tpu")
     for _ in range(3):  # (learnt on the first call; native after)
         before = _calls("aten.embedding.default")
-        out = torch.nn.functional.embedding(bad, wt)
+        out = torch.nn.functional.embedding(bad, wt, padding_idx=3)
         with pytest.raises(IndexError, match="embedding.*index out of range"):
             out.cpu()
     assert _calls("aten.embedding.default") > before
