@@ -28,13 +28,6 @@ def native_on():
     nk.set_enabled(was)
 
 
-def _needs_native(name: str) -> None:
-    """Skip where an earlier test in this process left ``name`` off the native path (seen in the
-    full suite for aten.full, cause not yet found)."""
-    if name not in {str(op) for op in nk.REGISTERED} or nk.stats().get(name) is None:
-        pytest.skip(f"{name} has no native kernel in this process now")
-
-
 def _calls(name: str) -> int:
     return nk.stats().get(name, (0,))[0]
 
@@ -193,7 +186,6 @@ def test_factories_run_natively_on_the_device_they_name():
     """A factory's ``device`` is part of its key: an index given, or the current device's."""
     if torch.tpu.device_count() < 2:
         pytest.skip("needs two tpu devices")
-    _needs_native("aten.full.default")
     made = []
     for round in range(3):
         before = _calls("aten.full.default"), _calls("aten.arange.default")
@@ -263,6 +255,39 @@ def test_other_modes_and_capture_take_the_python_kernels():
     torch.testing.assert_close(z.cpu(), 3 * x.cpu())
 
 
+def test_a_context_that_followed_the_fused_default_runs_natively_again():
+    """A context that ran ops while the process default was DEFER_AND_FUSE holds a follower copy of
+    that mode; once the default is DEFER_NEVER again the copy is stale (``execution.current()``
+    passes over it) and the context's ops run at once, natively (found in the full suite: every op
+    of a worker whose main thread had followed the fused default went through Python after)."""
+    import contextvars
+
+    from torchtpu.eager import modes
+
+    x = torch.ones(3, device="tpu")
+
+    def follow_then_return():
+        previous = modes.get_mode()
+        modes.set_mode("defer_and_fuse")
+        try:
+            (x + x).cpu()  # this context now follows the fused default
+        finally:
+            modes.set_mode(previous)
+        assert modes.get_mode() == previous
+        for _ in range(2):
+            x * x  # (learnt, if not yet)
+        before = _calls("aten.mul.Tensor")
+        for _ in range(3):
+            y = x * x
+        return before, _calls("aten.mul.Tensor"), y
+
+    if modes.get_mode() != modes.EagerMode.DEFER_NEVER:
+        pytest.skip("the process default is not DEFER_NEVER here")
+    before, after, y = contextvars.copy_context().run(follow_then_return)  # (this test's own context)
+    assert torch.equal(y.cpu(), torch.ones(3))
+    assert after - before == 3, nk.stats()["aten.mul.Tensor"]
+
+
 def test_threads_share_the_native_kernels():
     errors = []
 
@@ -301,7 +326,6 @@ def test_a_number_evicted_on_the_python_side_is_learnt_again():
     on), or a long-running process slowly falls back to Python."""
     from torchtpu.eager import dispatch
 
-    _needs_native("aten.full.default")
     for _ in range(3):
         torch.full((2, 3), 1.25, device="tpu")
     dispatch._cached_scalar.cache_clear()  # as an eviction would

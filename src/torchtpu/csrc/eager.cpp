@@ -101,6 +101,7 @@ struct Globals {
   PyObject* s_capturing = nullptr;
   PyObject* s_tracing = nullptr;
   PyObject* s_default = nullptr;
+  PyObject* s_stale = nullptr;
   PyObject* s_blocks = nullptr;
   PyObject* s_learn = nullptr;
   PyObject* s_last = nullptr;
@@ -194,6 +195,22 @@ PyObject* module_global(PyObject* globals, PyObject* name) {
   return PyDict_GetItem(globals, name);  // borrowed; null if absent
 }
 
+// An `Execution` a context holds, as execution.py's `current()` reads it: 1 it is DEFER_NEVER's,
+// 0 another mode's, -1 none to go by (a follower copy made stale when the process default left
+// DEFER_AND_FUSE: `current()` passes over it). Steals the reference.
+int holds_never(PyObject* execution) {
+  Globals& g = G();
+  int verdict = 1;
+  if (execution != g.never) {
+    PyObject* stale = PyObject_GetAttr(execution, g.s_stale);
+    if (stale == nullptr) PyErr_Clear();
+    verdict = stale == Py_True ? -1 : 0;
+    Py_XDECREF(stale);
+  }
+  Py_DECREF(execution);
+  return verdict;
+}
+
 // Whether this context runs ops at once (DEFER_NEVER), with nothing capturing or tracing.
 bool at_once() {
   Globals& g = G();
@@ -206,9 +223,8 @@ bool at_once() {
     return false;
   }
   if (execution != nullptr) {
-    bool ok = execution == g.never;
-    Py_DECREF(execution);
-    return ok;  // (another mode, or a stale follower copy: Python decides)
+    int verdict = holds_never(execution);
+    if (verdict >= 0) return verdict == 1;
   }
   if (at::impl::ThreadLocalPythonObjects::contains("context")) {
     // an autograd thread running a backward pass: its caller's mode (execution.py's `current`)
@@ -219,9 +235,8 @@ bool at_once() {
       if (theirs == nullptr) {
         PyErr_Clear();
       } else {
-        bool ok = theirs == g.never;  // (another mode, or a stale follower copy: Python decides)
-        Py_DECREF(theirs);
-        return ok;
+        int verdict = holds_never(theirs);
+        if (verdict >= 0) return verdict == 1;
       }
     }
   }
@@ -925,6 +940,7 @@ void native_eager_setup(py::dict refs) {
   g.s_dtype = PyUnicode_InternFromString("dtype");
   g.s_shape = PyUnicode_InternFromString("shape");
   g.s_capturing = PyUnicode_InternFromString("capturing");
+  g.s_stale = PyUnicode_InternFromString("stale");
   g.s_tracing = PyUnicode_InternFromString("tracing");
   g.s_default = PyUnicode_InternFromString("_default");
   g.s_blocks = PyUnicode_InternFromString("_blocks");
