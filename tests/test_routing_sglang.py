@@ -26,11 +26,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -43,35 +41,22 @@ if importlib.util.find_spec("smg") is None:
     pytest.skip("the smg wheel (the SGLang gateway) is not installed (tools/sglang_env.sh installs it; pip install smg)",
                 allow_module_level=True)
 
+from routing_checks import (
+    Routing,
+    check_failover,
+    check_greedy_matches_hf,
+    check_sessions_stay_home,
+    complete,
+    router,  # noqa: F401 (router: a fixture)
+    serve_replicas,
+    text,
+)
 from serving_fixtures import hf, model_dir  # noqa: F401 (fixtures)
-from serving_fixtures import hf_greedy as _hf_greedy
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_RUNNING = 2
 MAX_TOTAL_TOKENS = 2048  # each replica's KV pool, in tokens
 ENGINE_ARGS = ("--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests",
                str(MAX_RUNNING), "--disable-cuda-graph", "--enable-cache-report")
-WORDS = ["clock", "hand", "river", "stone", "lamp", "window", "garden", "letter", "bridge", "candle", "market", "winter", "harbor", "mill", "orchard", "lantern", "thread", "anchor", "meadow", "tower"]
-
-
-def load_serve_replicas():
-    spec = importlib.util.spec_from_file_location("serve_replicas", REPO / "tools" / "serve_replicas.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_replicas"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-serve_replicas = sys.modules.get("serve_replicas") or load_serve_replicas()
-
-
-def hf_greedy(hf, ids, n):  # noqa: F811
-    return _hf_greedy(hf, ids, n, eos_token_id=None)  # the requests below ignore end-of-sequence
-
-
-def text(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 @pytest.fixture(scope="module")
@@ -82,25 +67,8 @@ def fleet(model_dir, tmp_path_factory):  # noqa: F811
         yield fleet
 
 
-@pytest.fixture
-def router(fleet, request):
-    """An smg router with the policy given by ``@pytest.mark.parametrize("router", [...], indirect=True)``."""
-    r = fleet.start_router(getattr(request, "param", "round_robin"))
-    yield r
-    fleet.stop_router(r)
-
-
-def client(url: str, timeout: float = 300) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=timeout, max_retries=0)
-
-
-def complete(url: str, prompt: str, n: int = 8, headers: dict | None = None):
-    """(prompt token ids, completion token ids, cached prompt tokens) of one greedy completion."""
-    r = client(url).completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=n,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True},
-                                       extra_headers=headers)
-    details = r.usage.prompt_tokens_details
-    return r.choices[0].prompt_token_ids, r.choices[0].token_ids, (details.cached_tokens if details else 0) or 0
+SGLANG = Routing(served_counter="sglang:num_requests_total", session_header="X-SMG-Routing-Key",
+                 hash_policy="consistent_hashing")
 
 
 def gauges(fleet, index: int) -> dict[str, float]:
@@ -114,35 +82,11 @@ def loads(fleet, index: int) -> dict:
     return load
 
 
-def served(fleet) -> list[float]:
-    """Requests each replica has finished (its own counter)."""
-    return [fleet.metrics(i).get("sglang:num_requests_total", 0.0) for i in range(len(fleet.members))]
-
-
-def served_by(fleet, fn):
-    """Which replica served the one request ``fn`` sends, and what ``fn`` returned."""
-    before = served(fleet)
-    out = fn()
-    deadline = time.monotonic() + 10
-    while True:  # the counter is bumped as the reply goes out: give it a moment
-        after = served(fleet)
-        changed = [i for i, (a, b) in enumerate(zip(before, after)) if b > a]
-        if changed or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert len(changed) == 1, (before, after)
-    return changed[0], out
-
-
 # ---------------------------------------------------------------- through the router
 
 @pytest.mark.parametrize("router", ["cache_aware"], indirect=True)
 def test_greedy_through_smg_matches_hf(fleet, router, hf):  # noqa: F811
-    prompts = [text(i, 12 + 9 * i) for i in range(3)]
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda p: complete(router.url, p, 8), prompts))
-    for prompt_ids, ids, _ in results:
-        assert ids == hf_greedy(hf, prompt_ids, 8)
+    check_greedy_matches_hf(router, hf)
 
 
 # ---------------------------------------------------------------- the engines' side of the contract
@@ -202,92 +146,14 @@ def test_load_figures_smg_reads_under_load(fleet):
 # ---------------------------------------------------------------- sessions
 
 @pytest.mark.parametrize("router", ["consistent_hashing", "cache_aware"], indirect=True)
-def test_turns_of_a_session_land_on_the_replica_holding_its_cache(fleet, router):
-    """Three sessions, three turns each, sent one after another: under ``consistent_hashing`` by
-    the ``X-SMG-Routing-Key`` header, under ``cache_aware`` by the conversation's prefix. A later
-    turn lands where the earlier ones are, and that replica's radix cache holds the conversation
-    so far (the reply's ``cached_tokens`` cover the previous turn's prompt)."""
-    homes = {}
-    salt = router.name  # each policy's sessions are new to both replicas
-    for s in range(3):
-        conversation = f"{salt} session {s}. " + text(200 + s, 40)
-        headers = {"X-SMG-Routing-Key": f"{salt}-agent-{s}"}
-        previous = 0
-        for turn in range(3):
-            conversation += f" turn {turn}: " + text(300 + 10 * s + turn, 6)
-            where, (prompt_ids, _, cached) = served_by(
-                fleet, lambda c=conversation, h=headers: complete(router.url, c, 4, h))
-            if turn == 0:
-                homes[s] = where
-            else:
-                assert where == homes[s], f"session {s} turn {turn} went to replica {where}, its cache is on {homes[s]}"
-                assert cached >= previous - 4, (s, turn, cached, previous)  # the previous prompt (its last tokens may re-split)
-            previous = len(prompt_ids)
-    if router.name.endswith("consistent_hashing"):  # sessions are spread over the replicas: the
-        # ring follows the replicas' (random) ports, so three sessions may all hash to one; more
-        # routing keys, one short request each, until both replicas have had one (24 at most)
-        seen = set(homes.values())
-        for s in range(3, 27):
-            if len(seen) == 2:
-                break
-            headers = {"X-SMG-Routing-Key": f"{salt}-agent-{s}"}
-            seen.add(served_by(fleet, lambda h=headers, s=s: complete(router.url, f"session {s}.", 2, h))[0])
-        assert len(seen) == 2, (homes, seen)
+def test_turns_of_a_session_land_on_the_replica_holding_its_cache(fleet, router):  # noqa: F811
+    """``routing_checks.check_sessions_stay_home``: under ``consistent_hashing`` by the
+    ``X-SMG-Routing-Key`` header; the reply's ``cached_tokens`` cover the previous turn's prompt."""
+    check_sessions_stay_home(fleet, router, SGLANG)
 
 
 # ---------------------------------------------------------------- failover (last: it kills a replica)
 
 def test_failover_replica_killed_under_load(fleet, hf):  # noqa: F811
-    """16 non-streamed requests and two long streamed ones through smg; replica 1 is SIGKILLed
-    once a few have finished. None of the 16 is lost and each equals HF; every stream ends
-    (finished, or with an error) instead of hanging; later requests go to replica 0 only."""
-    router = fleet.start_router("round_robin")  # with serve_replicas.RETRY_OPTIONS
-    try:
-        prompts = [text(500 + i, 10 + i) for i in range(8)]
-        refs = {}
-        finished = []
-        stream_results = []
-
-        def one(i):
-            out = complete(router.url, prompts[i % 8], 6)
-            finished.append(i)
-            return out
-
-        def stream(i):
-            tokens = 0
-            try:
-                for chunk in client(router.url, timeout=120).completions.create(
-                        model="tiny", prompt=text(900 + i, 20), max_tokens=60, temperature=0, stream=True,
-                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
-                    if chunk.usage:
-                        tokens = chunk.usage.completion_tokens
-                stream_results.append(("finished", tokens))
-            except Exception as e:  # noqa: BLE001  (the dead replica's stream ends with an error)
-                stream_results.append((type(e).__name__, tokens))
-
-        with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(stream, i) for i in range(2)]
-            futures = [pool.submit(one, i) for i in range(16)]
-            while len(finished) < 3:
-                time.sleep(0.2)
-            fleet.kill_replica(1)
-            results = [f.result(timeout=300) for f in futures]
-            for f in streams:
-                f.result(timeout=150)  # a hang fails here
-        assert len(stream_results) == 2
-        for status, tokens in stream_results:  # a stream cut short says so: never a silent truncation
-            assert status != "finished" or tokens == 60, stream_results
-        for i, (prompt_ids, ids, _) in enumerate(results):
-            key = tuple(prompt_ids)
-            refs.setdefault(key, hf_greedy(hf, prompt_ids, 6))
-            assert ids == refs[key], f"request {i}"
-        # out of the rotation: the next requests all reach replica 0
-        before = fleet.metrics(0)["sglang:num_requests_total"]
-        for i in range(4):
-            complete(router.url, prompts[i], 2)
-        deadline = time.monotonic() + 10
-        while fleet.metrics(0)["sglang:num_requests_total"] - before < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert fleet.metrics(0)["sglang:num_requests_total"] - before == 4
-    finally:
-        fleet.stop_router(router)
+    """``routing_checks.check_failover`` through smg."""
+    check_failover(fleet, hf, SGLANG)
