@@ -102,33 +102,42 @@ def write_debug_assets(root: str | Path, documents: int = 200, seed: int = 0) ->
     return {"hf_assets_path": str(tokenizer_dir), "dataset_path": str(dataset_dir)}
 
 
-def use_device_peak() -> bool:
-    """Patch ``torchtitan.peak_flops`` (at the first tpu use): now if TorchTitan's utils are
-    imported, else when they are; False where TorchTitan is not installed."""
-    from torchtpu.compile import routing
+class _AfterImportPatch:
+    """``module.attr`` replaced by ``make(module, original)`` when ``module`` is imported (now, if it
+    is already); the replacement keeps the original as ``__wrapped__``, which ``restore`` puts back."""
 
-    if _UTILS not in sys.modules and importlib.util.find_spec("torchtitan") is None:
-        return False
-    routing.after_import(_UTILS, _wrap_get_peak_flops)
-    return True
+    def __init__(self, module: str, attr: str, make):
+        self.module, self.attr, self.make = module, attr, make
+
+    def install(self) -> bool:
+        """False where TorchTitan is not installed."""
+        from torchtpu.compile import routing
+
+        if self.module not in sys.modules and importlib.util.find_spec("torchtitan") is None:
+            return False
+        routing.after_import(self.module, self._wrap)
+        return True
+
+    def restore(self) -> None:
+        from torchtpu.compile import routing
+
+        routing.cancel_after_import(self.module)
+        module = sys.modules.get(self.module)
+        original = getattr(getattr(module, self.attr, None), "__wrapped__", None)
+        if original is not None:
+            setattr(module, self.attr, original)
+
+    def _wrap(self) -> None:
+        module = sys.modules[self.module]
+        original = getattr(module, self.attr)
+        if hasattr(original, "__wrapped__"):
+            return
+        replacement = self.make(module, original)
+        replacement.__wrapped__ = original  # (not functools.wraps: the replacement names itself)
+        setattr(module, self.attr, replacement)
 
 
-def restore_peak() -> None:
-    from torchtpu.compile import routing
-
-    routing.cancel_after_import(_UTILS)
-    utils = sys.modules.get(_UTILS)
-    original = getattr(getattr(utils, "get_peak_flops", None), "__wrapped__", None)
-    if original is not None:
-        utils.get_peak_flops = original
-
-
-def _wrap_get_peak_flops() -> None:
-    utils = sys.modules[_UTILS]
-    original = utils.get_peak_flops
-    if hasattr(original, "__wrapped__"):
-        return
-
+def _device_peak(utils, original):
     def get_peak_flops(device_name: str) -> float:
         """TorchTitan's get_peak_flops; for device type tpu, the device's own peak (torchtpu)."""
         if getattr(utils, "device_type", None) != "tpu":
@@ -141,8 +150,7 @@ def _wrap_get_peak_flops() -> None:
         _log_peak(props.name, props.peak_flops, props.peak_flops_source)
         return props.peak_flops
 
-    get_peak_flops.__wrapped__ = original  # (not functools.wraps: the replacement names itself)
-    utils.get_peak_flops = get_peak_flops
+    return get_peak_flops
 
 
 @functools.cache
@@ -151,33 +159,7 @@ def _log_peak(name: str, peak: float, source: str) -> None:
                                           name, peak, source)
 
 
-def load_flux_autoencoder_on_tpu() -> bool:
-    """Patch ``torchtitan.flux_autoencoder_load`` (at the first tpu use): now if TorchTitan's FLUX
-    autoencoder module is imported, else when it is; False where TorchTitan is not installed."""
-    from torchtpu.compile import routing
-
-    if _FLUX_AUTOENCODER not in sys.modules and importlib.util.find_spec("torchtitan") is None:
-        return False
-    routing.after_import(_FLUX_AUTOENCODER, _wrap_load_sft)
-    return True
-
-
-def restore_flux_autoencoder_load() -> None:
-    from torchtpu.compile import routing
-
-    routing.cancel_after_import(_FLUX_AUTOENCODER)
-    module = sys.modules.get(_FLUX_AUTOENCODER)
-    original = getattr(getattr(module, "load_sft", None), "__wrapped__", None)
-    if original is not None:
-        module.load_sft = original
-
-
-def _wrap_load_sft() -> None:
-    module = sys.modules[_FLUX_AUTOENCODER]
-    original = module.load_sft
-    if hasattr(original, "__wrapped__"):
-        return
-
+def _load_sft_via_cpu(module, original):
     def load_sft(filename, device="cpu"):
         """safetensors' ``load_file``; for a tpu device, read on the CPU, then moved to the device
         (safetensors accepts only the device names it knows: ``device tpu:0 is invalid``)."""
@@ -187,8 +169,31 @@ def _wrap_load_sft() -> None:
             return original(filename, device=device)
         return {name: tensor.to(device) for name, tensor in original(filename, device="cpu").items()}
 
-    load_sft.__wrapped__ = original
-    module.load_sft = load_sft
+    return load_sft
+
+
+_PEAK = _AfterImportPatch(_UTILS, "get_peak_flops", _device_peak)
+_FLUX_LOAD = _AfterImportPatch(_FLUX_AUTOENCODER, "load_sft", _load_sft_via_cpu)
+
+
+def use_device_peak() -> bool:
+    """Patch ``torchtitan.peak_flops`` (at the first tpu use): now if TorchTitan's utils are
+    imported, else when they are; False where TorchTitan is not installed."""
+    return _PEAK.install()
+
+
+def restore_peak() -> None:
+    _PEAK.restore()
+
+
+def load_flux_autoencoder_on_tpu() -> bool:
+    """Patch ``torchtitan.flux_autoencoder_load`` (at the first tpu use): now if TorchTitan's FLUX
+    autoencoder module is imported, else when it is; False where TorchTitan is not installed."""
+    return _FLUX_LOAD.install()
+
+
+def restore_flux_autoencoder_load() -> None:
+    _FLUX_LOAD.restore()
 
 
 def main(argv: list[str] | None = None) -> None:
