@@ -322,16 +322,20 @@ def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: 
     ``training/rollout_probs_diff_mean``, float32 on both sides); and after the third step's sync
     the rollout's greedy responses (VeRL's validation, dumped) equal Hugging Face ``generate``
     with the actor's weights of that step (saved by VeRL as a Hugging Face checkpoint), which
-    differ from the initial model's on some prompt (a learning rate of 0.05, so 3 steps change the
-    greedy tokens and a rollout left on the old weights would fail this)."""
+    differ from the initial model's on some prompt (the toy task's reward, which the untrained
+    model earns on a few samples, so advantages are not all zero, and a learning rate of 0.05: 3
+    steps change the greedy tokens, and a rollout left on the old weights would fail this; with
+    GSM8K's reward a random model earns nothing, no step moves the weights, and the check could
+    not tell a synced rollout from a stale one)."""
     from torchtpu.integrations.verl import recipe
 
-    cmd = recipe.command(model_dir, tmp_path, 3, recipe.greedy_check_overrides(tmp_path, 3), lr=0.05)
+    cmd = recipe.command(model_dir, tmp_path, 3, recipe.greedy_check_overrides(tmp_path, 3), lr=0.05, toy=True)
     out = subprocess.run(cmd, env=recipe.environment(), capture_output=True, text=True, timeout=2400, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     steps = recipe.step_metrics(out.stdout)
     print("probs diff mean/max, log-ppl abs diff per step:", [(m["training/rollout_probs_diff_mean"],
           m["training/rollout_probs_diff_max"], m["rollout_corr/log_ppl_abs_diff"]) for m in steps])
+    print("mean reward per step:", [m.get("critic/score/mean") for m in steps])
     assert [int(m["step"]) for m in steps] == [1, 2, 3]
     for m in steps:
         assert m["training/rollout_probs_diff_valid"] == 1
