@@ -18,12 +18,15 @@ table gives the ratios P/D / colocated. Each row first runs the workload once un
 compiles the shapes), then measures a pass with other token ids (no prefix cache hits).
 
 With ``--pin`` (the default where the machine has at least 2 cores) the decode side runs on
-core 1 in both rows (the colocated server, the P/D decode server) and the prefill server on
-core 0: the same decode device, with prefills moved off it in the P/D row. ``--no-pin`` lets
-the OS place them.
+core 1 in both rows (the colocated server, the P/D decode server), alone, and everything else on
+core 0: the prefill server, the router and this benchmark's own client threads. So the decode
+device is the same in both rows, with prefills moved off it in the P/D row, as separate devices
+and a host with cores to spare would have it (on 2 shared cores an unpinned router and client
+otherwise land beside the decode server, and its gaps measure them). ``--no-pin`` lets the OS
+place them all.
 
     python benchmarks/pd.py [--decodes 4] [--decode-tokens 160] [--burst 4] [--long 768]
-        [--chunk 256] [--pin | --no-pin] [--router PATH]
+        [--chunk 256] [--pin | --no-pin] [--router PATH] [--logs DIR]
 
 Run it with the vLLM venv's interpreter (``tools/vllm_env.sh``): it needs vLLM, ``openai`` and the
 ``vllm-router`` wheel (its binary next to the interpreter, on ``PATH``, or ``--router``).
@@ -187,7 +190,7 @@ def run_row(name: str, model_dir: Path, logs: Path, args) -> dict:
                 p.wait()
             procs.append(Proc([args.router, "--host", "127.0.0.1", "--port", str(rp), "--vllm-pd-disaggregation",
                                "--prefill", f"http://127.0.0.1:{pp}", "--decode", f"http://127.0.0.1:{dp}",
-                               "--policy", "round_robin"], logs / "router.log", None,
+                               "--policy", "round_robin"], logs / "router.log", args.prefill_cores,
                               f"http://127.0.0.1:{rp}/v1/models"))
             url = f"http://127.0.0.1:{rp}"
         for p in procs:
@@ -212,6 +215,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens of every server")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--router", default=None)
+    parser.add_argument("--logs", type=Path, default=None, help="keep the servers' and router's logs here")
     args = parser.parse_args()
     args.router = args.router or (str(Path(sys.executable).parent / "vllm-router")
                                   if (Path(sys.executable).parent / "vllm-router").exists()
@@ -221,17 +225,20 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     pin = args.pin if args.pin is not None else len(cores) >= 2
     args.prefill_cores, args.decode_cores = ([cores[0]], [cores[1]]) if pin else (None, None)
+    if pin:  # this process's client threads (and the model build) off the decode core
+        os.sched_setaffinity(0, args.prefill_cores)
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         tmp = Path(tmp)
         model_dir = make_model(tmp / "model", args.long + 256)
         results = {}
         for name in ("colocated", "P/D"):
-            (tmp / name.replace("/", "")).mkdir()
-            results[name] = run_row(name, model_dir, tmp / name.replace("/", ""), args)
+            logs = (args.logs or tmp) / name.replace("/", "")
+            logs.mkdir(parents=True, exist_ok=True)
+            results[name] = run_row(name, model_dir, logs, args)
     load = os.getloadavg()
     print(f"\n{args.decodes} decodes x {args.decode_tokens} tokens, burst of {args.burst} x {args.long}-token "
-          f"prompts; --max-num-batched-tokens {args.chunk}; pinned: {pin} (prefill core {args.prefill_cores}, "
-          f"decode core {args.decode_cores}); load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
+          f"prompts; --max-num-batched-tokens {args.chunk}; pinned: {pin} (prefill server, router and client on "
+          f"core {args.prefill_cores}, decode side alone on core {args.decode_cores}); load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
     print("| row | decode ITL p50 in burst (ms) | decode ITL p99 in burst (ms) | ITL p50 outside (ms) "
           "| ITL p99 outside (ms) | long-prompt TTFT p50 (ms) | burst (s) | tokens = colocated |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

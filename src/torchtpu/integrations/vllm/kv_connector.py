@@ -259,6 +259,7 @@ class TpuTcpConnector(KVConnectorBase_V1):
             self._pool.submit(self._fetch, spec)
 
     def _fetch(self, spec: RecvSpec) -> None:
+        start = time.perf_counter()
         try:
             layers = fetch_blocks(spec.host, spec.port, spec.remote_request_id, spec.first_block,
                                   len(spec.local_block_ids))
@@ -270,9 +271,9 @@ class TpuTcpConnector(KVConnectorBase_V1):
                         f"tpu KV transfer: the producer's KV for layer {name} is "
                         f"{None if got is None else (got.dtype, tuple(got.shape))}, this cache wants "
                         f"{(cache.dtype, (rows, *cache.shape[1:]))} (another model, dtype or block size?)")
-            self._fetched.put((spec, layers, None))
+            self._fetched.put((spec, layers, None, time.perf_counter() - start))
         except Exception as e:  # noqa: BLE001  (reported to the scheduler as a failed load)
-            self._fetched.put((spec, None, e))
+            self._fetched.put((spec, None, e, time.perf_counter() - start))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # whole requests are loaded between steps
@@ -302,7 +303,7 @@ class TpuTcpConnector(KVConnectorBase_V1):
         done = set()
         while True:
             try:
-                spec, layers, error = self._fetched.get_nowait()
+                spec, layers, error, fetch_s = self._fetched.get_nowait()
             except queue.Empty:
                 break
             self._in_flight.discard(spec.request_id)
@@ -317,6 +318,7 @@ class TpuTcpConnector(KVConnectorBase_V1):
                 continue
             # Padded to a power of two as in wait_for_save: the extra rows go to the cache's
             # scratch block (its last), where padded tokens' keys and values go too.
+            start = time.perf_counter()
             n = len(spec.local_block_ids)
             extra = power_of_two_at_least(n) - n
             scratch = next(iter(self._caches.values())).shape[0] // self.block_size - 1
@@ -326,9 +328,11 @@ class TpuTcpConnector(KVConnectorBase_V1):
                 if extra:
                     values = torch.cat([values, values.new_zeros((extra * self.block_size, *values.shape[1:]))])
                 cache.index_copy_(0, slots, values.to(self._device))
-            logger.info("tpu KV transfer: loaded %d blocks (%d KiB) of %s from %s:%d",
+            logger.info("tpu KV transfer: loaded %d blocks (%d KiB) of %s from %s:%d (fetched in %.1f ms on a "
+                        "worker thread; written into the cache in %.1f ms between steps)",
                         len(spec.local_block_ids), sum(t.nbytes for t in layers.values()) >> 10,
-                        spec.remote_request_id, spec.host, spec.port)
+                        spec.remote_request_id, spec.host, spec.port, fetch_s * 1e3,
+                        (time.perf_counter() - start) * 1e3)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
