@@ -167,6 +167,19 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
         assert overhead == pytest.approx(tpu_us - jax_us, abs=0.11)
 
 
+def test_dispatch_floor_benchmark_prints_table(capsys):
+    """benchmarks/dispatch_floor.py reaches jaxlib's executables (internals): it still runs."""
+    spec = importlib.util.spec_from_file_location("dispatch_floor", ROOT / "benchmarks" / "dispatch_floor.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--calls", "3", "--loops", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| add 8x8")]
+    (row,) = rows
+    jit_us, sharded_us, execute_us, ratio = (float(c) for c in row.split("|")[2:6])
+    assert min(jit_us, sharded_us, execute_us) > 0
+    assert ratio == pytest.approx(sharded_us / jit_us, rel=0.05, abs=0.01)
+
+
 def test_bench_outside_a_checkout_says_where_benchmarks_are(monkeypatch, capsys):
     from torchtpu import cli as tt
 
