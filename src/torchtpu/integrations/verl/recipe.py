@@ -123,7 +123,10 @@ def environment() -> dict[str, str]:
 
 
 def command(model_dir, work_dir, steps: int = 3, extra: list[str] = (), **kwargs) -> list[str]:
-    return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, work_dir, steps, **kwargs), *extra]
+    """VeRL's trainer with the recipe's overrides; Hydra's run folder (its log) goes in ``work_dir``,
+    not in the current directory (Hydra's default: ``outputs/<date>/<time>``)."""
+    return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(model_dir, work_dir, steps, **kwargs),
+            f"hydra.run.dir={Path(work_dir) / 'hydra'}", *extra]
 
 
 _METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?([-+0-9.eE]+|nan)")  # a value, or numpy's repr of one
