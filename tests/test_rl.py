@@ -313,7 +313,6 @@ def test_trl_grpo_learns_the_toy_task(tmp_path, model_dir):  # noqa: F811
 
 
 @needs_verl
-@pytest.mark.slow
 def test_verl_recipe_three_steps_split_placement(tmp_path, model_dir):  # noqa: F811
     """VeRL's recipe for 3 steps, the FSDP2 actor and the vLLM rollout on separate ``tpu``
     devices under Ray, a weight sync after each step. Every step is logged and on-policy (the

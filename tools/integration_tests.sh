@@ -100,6 +100,9 @@ RL_TESTS=(
     "$T/test_rl.py::test_checkpoint_engine_moves_tpu_weights_to_every_receiver"
     "$T/test_rl.py::test_recipe_config_is_verls_grpo_with_separate_devices"
     "$T/test_rl.py::test_vllm_rollout_through_verls_registry"
+    # the recipe end to end: 3 GRPO steps, actor and rollout on separate devices under Ray, the
+    # log-prob and greedy-after-sync checks (about 4 minutes and 10 GB alone)
+    "$T/test_rl.py::test_verl_recipe_three_steps_split_placement"
 )
 RL_TRL_TESTS=("$T/test_rl.py::test_trl_grpo_loss_and_gradients_match_cpu")
 
