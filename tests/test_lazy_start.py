@@ -157,3 +157,39 @@ def test_eager_mode_set_before_first_use():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "DEFER_AND_FUSE 12.0 0"
 
+
+
+def test_the_runtime_starts_with_the_cpu_compile_flags_and_gives_xla_flags_back():
+    """XLA reads ``XLA_FLAGS`` once, when the PJRT client starts: the flags are there then (and
+    XLA knows them, or the process would abort), and the user's value is back after."""
+    out = _run("""
+        import os, torch
+        from torchtpu.runtime import pjrt, state
+        seen, devices = [], pjrt.devices
+        pjrt.devices = lambda: seen.append(os.environ.get("XLA_FLAGS")) or devices()
+        assert torch.ones(2, device="tpu").sum().item() == 2.0
+        print(seen[0]); print(os.environ["XLA_FLAGS"])
+    """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "TORCHTPU_CPU_FAST_COMPILE": "1"})
+    assert out.returncode == 0, out.stderr
+    during, after = out.stdout.strip().splitlines()
+    assert during == "--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false"
+    assert after == "--xla_force_host_platform_device_count=2"
+
+
+@pytest.mark.parametrize("setting, user_flags, expected", [
+    (True, None, "--xla_cpu_use_fusion_emitters=false"),
+    (False, None, None),  # TORCHTPU_CPU_FAST_COMPILE=0: XLA's defaults
+    (True, "--xla_cpu_use_fusion_emitters=true", "--xla_cpu_use_fusion_emitters=true"),  # the user's choice stands
+])
+def test_cpu_compile_flags_follow_the_setting_and_the_users_own(monkeypatch, setting, user_flags, expected):
+    from torchtpu.config import config
+    from torchtpu.runtime import state
+
+    monkeypatch.setattr(config, "cpu_fast_compile", setting)
+    if user_flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", user_flags)
+    with state._cpu_compile_flags():
+        assert os.environ.get("XLA_FLAGS") == expected
+    assert os.environ.get("XLA_FLAGS") == user_flags

@@ -15,6 +15,7 @@ DataLoader worker) is unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -85,13 +86,45 @@ def start() -> None:
             from torchtpu.runtime import pjrt
 
             multiprocess.initialize()  # before any other JAX call (a no-op for a lone process)
-            pjrt.devices()
+            with _cpu_compile_flags():
+                pjrt.devices()
             for callback in list(_on_start):
                 callback()
             _started = True
             sync_guard()
         finally:
             _starting = False
+
+
+# XLA:CPU compiles a small program (an eager op's) about 40 % faster with its elemental fusion
+# emitters than with the MLIR-based ones that are its default, and the code runs as fast (measured
+# by ``benchmarks/first_call.py``); a fresh machine's test suite is mostly such first compiles.
+CPU_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+_FLAGS_KNOWN = ((0, 10, 1), (0, 11))  # the jaxlib releases whose XLA has them (pyproject's range)
+
+
+@contextlib.contextmanager
+def _cpu_compile_flags():
+    """``CPU_COMPILE_FLAGS`` in ``XLA_FLAGS`` while the PJRT clients start, which is when XLA
+    reads it (once per process); restored after, so child processes do not inherit them. Not
+    with ``TORCHTPU_CPU_FAST_COMPILE=0``, where the user's ``XLA_FLAGS`` names them, or with a
+    jaxlib outside the tested range (XLA aborts on a flag it does not know)."""
+    import jaxlib
+
+    before = os.environ.get("XLA_FLAGS")
+    version = tuple(int(p) for p in re.findall(r"\d+", jaxlib.__version__)[:3])
+    flags = [f for f in CPU_COMPILE_FLAGS if f.split("=")[0] not in (before or "")]
+    if not config.cpu_fast_compile or not flags or not _FLAGS_KNOWN[0] <= version < _FLAGS_KNOWN[1]:
+        yield
+        return
+    os.environ["XLA_FLAGS"] = " ".join([before or "", *flags]).strip()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def _after_fork_in_child() -> None:
