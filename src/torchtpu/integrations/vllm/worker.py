@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # cache write costs its tokens, not the cache: the eager in-place write donates the buffer.)
 HOST_DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 
+# Decode batches of up to this many requests are compiled at start-up (``compile_or_warm_up_model``).
+DECODE_WARMUP_MAX = 16
+
 
 class TpuWorker(Worker):
     """vLLM worker for one ``tpu`` device."""
@@ -83,16 +86,23 @@ class TpuWorker(Worker):
         return available
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        """Run (and so compile) the decode batch shape and the sampler once.
+        """Run (and so compile) the decode batches of 1 to ``DECODE_WARMUP_MAX`` requests (and of
+        the largest batch), their logits and greedy pick, and the sampler once.
 
-        The GPU worker's version also warms Triton kernels and captures CUDA graphs; tpu has
-        neither, and XLA compiles each new shape on first use.
+        The GPU worker's version also warms Triton kernels and captures CUDA graphs for its
+        batch sizes; tpu has neither, and XLA compiles each new shape on first use: the forward
+        is padded to token buckets, but a step's input preparation, logits and sampling follow
+        its number of requests, and a step with a number not seen before traced and compiled
+        (or loaded) about 30 programs, 0.5-1 s, while its running decodes waited.
         """
         max_num_reqs = min(self.scheduler_config.max_num_seqs,
                            self.scheduler_config.max_num_batched_tokens)
-        _, last_hidden = self.model_runner._dummy_run(
-            num_tokens=max_num_reqs, skip_eplb=True, cudagraph_runtime_mode=CUDAGraphMode.NONE)
-        self.model_runner._dummy_sampler_run(hidden_states=last_hidden)
+        runner = self.model_runner
+        for num_reqs in sorted({*range(1, min(max_num_reqs, DECODE_WARMUP_MAX) + 1), max_num_reqs}):
+            _, last_hidden = runner._dummy_run(num_tokens=num_reqs, uniform_decode=True, skip_eplb=True,
+                                               cudagraph_runtime_mode=CUDAGraphMode.NONE)
+            runner.model.compute_logits(last_hidden).argmax(dim=-1).cpu()  # the greedy sampler's pick
+        runner._dummy_sampler_run(hidden_states=last_hidden)
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
                                 encoder=self.compilation_config.encoder_compilation_time)
