@@ -46,3 +46,16 @@ def test_compatibility_names_the_tested_jax_releases(page):
     if page == "docs/compatibility.md":  # the table's page also names the lower bound it was run on
         lowest = [Version(s.version) for s in req.specifier if s.operator == ">="]
         assert lowest and lowest[0] in named, f"{page} does not name jax {lowest}, the lower bound, as run"
+
+
+def test_the_cpu_compile_flags_cover_exactly_the_jax_range():
+    """``runtime/state.py`` sets XLA:CPU flags only for the jaxlib releases it knows have them (XLA
+    aborts on an unknown flag): widening pyproject's jax range must revisit that range too."""
+    from torchtpu.runtime import state
+
+    (req,) = [r for r in DEPENDENCIES if r.name == "jax"]
+    low, high = state._FLAGS_KNOWN
+    assert {(s.operator, s.version) for s in req.specifier} == {
+        (">=", ".".join(map(str, low))), ("<", ".".join(map(str, high)))}, (
+        f"pyproject.toml's {req} against runtime/state.py's _FLAGS_KNOWN {state._FLAGS_KNOWN}: check that "
+        "every jaxlib in the new range knows CPU_COMPILE_FLAGS, then update _FLAGS_KNOWN")

@@ -158,7 +158,6 @@ def test_eager_mode_set_before_first_use():
     assert out.stdout.strip() == "DEFER_AND_FUSE 12.0 0"
 
 
-
 def test_the_runtime_starts_with_the_cpu_compile_flags_and_gives_xla_flags_back():
     """XLA reads ``XLA_FLAGS`` once, when the PJRT client starts: the flags are there then (and
     XLA knows them, or the process would abort), and the user's value is back after."""

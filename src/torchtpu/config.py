@@ -97,8 +97,8 @@ SETTINGS = [
             "run the common eager ops through the C++ kernel (`csrc/eager.cpp`); 0: every op through its Python "
             "kernel (the reference path)"),
     Setting("cpu_fast_compile", "TORCHTPU_CPU_FAST_COMPILE", _bool, lambda: True,
-            "on XLA:CPU, compile with XLA's elemental fusion emitters (small programs compile about 40 % faster, "
-            "run as fast); 0: XLA's default (MLIR-based) emitters"),
+            "on XLA:CPU, compile with XLA's elemental fusion emitters (small programs compile in about half the "
+            "time and run about as fast); 0: XLA's default (MLIR-based) emitters"),
     Setting("cache_dir", "TORCHTPU_CACHE_DIR", str, _default_cache_dir,
             "directory of the persistent compilation cache"),
     Setting("cache_max_size", "TORCHTPU_CACHE_MAX_SIZE", _size, lambda: 1 << 30,

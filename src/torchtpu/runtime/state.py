@@ -96,9 +96,9 @@ def start() -> None:
             _starting = False
 
 
-# XLA:CPU compiles a small program (an eager op's) about 40 % faster with its elemental fusion
-# emitters than with the MLIR-based ones that are its default, and the code runs as fast (measured
-# by ``benchmarks/first_call.py``); a fresh machine's test suite is mostly such first compiles.
+# XLA:CPU compiles a small program (an eager op's) in about half the time with its elemental fusion
+# emitters than with the MLIR-based ones that are its default, and the code runs about as fast
+# (``benchmarks/first_call.py``); a fresh machine's test suite is mostly such first compiles.
 CPU_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 _FLAGS_KNOWN = ((0, 10, 1), (0, 11))  # the jaxlib releases whose XLA has them (pyproject's range)
 
