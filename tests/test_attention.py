@@ -5,6 +5,7 @@ logsumexp) against the float64 formula."""
 
 from __future__ import annotations
 
+import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,6 +194,32 @@ def test_sdpa_kernel_selects_the_backend():
     assert "FusedAttention" not in _backend_of(F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="No viable backend"):
         F.scaled_dot_product_attention(q[0], k[0], v[0])
+
+
+@pytest.mark.usefixtures("each_eager_mode", "no_fallback")
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_sdpa_without_autograd_takes_the_fused_op(grad_mode):
+    """Serving engines run models under ``torch.inference_mode`` (vLLM) or ``no_grad`` (HF): SDPA
+    still chooses its backend there (inference mode skips the autograd keys; the math path it fell
+    to cost a vLLM decode step 20x its attention) and matches PyTorch's CPU."""
+    q, k, v = _randn(8, 4, 1, 16, seed=1), _randn(8, 2, 40, 16, seed=2), _randn(8, 2, 40, 16, seed=3)
+    mask = torch.rand(8, 1, 1, 40, generator=torch.Generator().manual_seed(4)) > 0.3
+    context = getattr(torch, grad_mode)
+
+    def run(device, backends=None):
+        chosen = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+        with context(), torch.profiler.profile() as prof, chosen:
+            out = F.scaled_dot_product_attention(*(t.to(device) for t in (q, k, v)), attn_mask=mask.to(device),
+                                                 scale=0.3, enable_gqa=True).cpu()
+        return out, {e.name for e in prof.events()}
+
+    out, ops = run("tpu")
+    assert "aten::_scaled_dot_product_fused_attention_overrideable" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    torch.testing.assert_close(out, run("cpu")[0], atol=1e-5, rtol=1e-4)
+    math, ops = run("tpu", [SDPBackend.MATH])  # and the choice still follows sdpa_kernel
+    assert "aten::_scaled_dot_product_fused_attention_overrideable" not in ops
+    torch.testing.assert_close(math, out, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.usefixtures("no_fallback")
