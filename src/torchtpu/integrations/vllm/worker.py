@@ -9,6 +9,7 @@ default is :data:`HOST_DEFAULT_KV_CACHE_BYTES`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from contextlib import nullcontext
@@ -86,22 +87,35 @@ class TpuWorker(Worker):
         return available
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        """Run (and so compile) the decode batches of 1 to ``DECODE_WARMUP_MAX`` requests (and of
-        the largest batch), their logits and greedy pick, and the sampler once.
+        """Run (and so compile) whole engine steps of 1 to ``DECODE_WARMUP_MAX`` requests (and of
+        the largest batch), then the sampler once.
 
-        The GPU worker's version also warms Triton kernels and captures CUDA graphs for its
-        batch sizes; tpu has neither, and XLA compiles each new shape on first use: the forward
-        is padded to token buckets, but a step's input preparation, logits and sampling follow
-        its number of requests, and a step with a number not seen before traced and compiled
-        (or loaded) about 30 programs, 0.5-1 s, while its running decodes waited.
+        The GPU worker's version warms Triton kernels and captures CUDA graphs for its batch
+        sizes; tpu has neither, and XLA compiles each new shape on first use: the forward is
+        padded to token buckets, but a step's input preparation (vLLM copies ``[:num_reqs]`` of
+        its host buffers), logits and sampling follow its number of requests, and a step with a
+        number not seen before traced and compiled (or loaded) 20-30 programs, 0.4-1 s, while
+        its running decodes waited. So each request count runs as requests do, through the
+        runner's ``execute_model`` and ``sample_tokens``: ``n`` one-token requests are added
+        (a prefill step), decode one token (a decode step) and finish. They write the reserved
+        null block only; no request is left behind. With a KV connector other than torchtpu's
+        (whose empty per-step metadata is not known here), the forward, logits and greedy pick
+        of each decode batch are warmed instead (``_dummy_run``), not the input preparation.
         """
         max_num_reqs = min(self.scheduler_config.max_num_seqs,
                            self.scheduler_config.max_num_batched_tokens)
+        counts = sorted({*range(1, min(max_num_reqs, DECODE_WARMUP_MAX) + 1), max_num_reqs})
         runner = self.model_runner
-        for num_reqs in sorted({*range(1, min(max_num_reqs, DECODE_WARMUP_MAX) + 1), max_num_reqs}):
-            _, last_hidden = runner._dummy_run(num_tokens=num_reqs, uniform_decode=True, skip_eplb=True,
-                                               cudagraph_runtime_mode=CUDAGraphMode.NONE)
-            runner.model.compute_logits(last_hidden).argmax(dim=-1).cpu()  # the greedy sampler's pick
+        metadata = _empty_connector_metadata()
+        for num_reqs in counts:
+            if metadata is not False:
+                _warm_steps(runner, num_reqs, metadata)
+            else:
+                _, last_hidden = runner._dummy_run(num_tokens=num_reqs, uniform_decode=True, skip_eplb=True,
+                                                   cudagraph_runtime_mode=CUDAGraphMode.NONE)
+                runner.model.compute_logits(last_hidden).argmax(dim=-1).cpu()  # the greedy sampler's pick
+        _, last_hidden = runner._dummy_run(num_tokens=counts[-1], uniform_decode=True, skip_eplb=True,
+                                           cudagraph_runtime_mode=CUDAGraphMode.NONE)
         runner._dummy_sampler_run(hidden_states=last_hidden)
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=self.compilation_config.compilation_time,
@@ -112,3 +126,50 @@ class TpuWorker(Worker):
 
     def sleep(self, level: int = 1) -> None:
         raise NotImplementedError("tpu: sleep mode is not supported by torchtpu's vLLM worker.")
+
+
+def _empty_connector_metadata():
+    """The per-step KV connector metadata of a step that moves nothing: None without a
+    connector, torchtpu's connector's empty metadata, or False (another connector's, not known)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    from torchtpu.integrations.vllm.kv_connector import TpuTcpConnector, TpuTcpConnectorMetadata
+
+    if isinstance(get_kv_transfer_group(), TpuTcpConnector):
+        return TpuTcpConnectorMetadata()
+    logger.info("tpu: warming decode batches without vLLM's input preparation: the KV connector %s's "
+                "empty step metadata is not known to torchtpu", type(get_kv_transfer_group()).__name__)
+    return False
+
+
+def _warm_steps(runner, num_reqs: int, metadata) -> None:
+    """Run ``num_reqs`` one-token requests through the runner: a prefill step, a decode step, and
+    the step that finishes them (module docstring of ``compile_or_warm_up_model``)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    ids = [f"torchtpu-warm-up-{num_reqs}-{i}" for i in range(num_reqs)]
+    null_block = ([0],) * len(runner.kv_cache_config.kv_cache_groups)  # vLLM's reserved null block
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    one_each = {r: 1 for r in ids}
+
+    def step(**fields) -> None:
+        output = dataclasses.replace(SchedulerOutput.make_empty(), kv_connector_metadata=metadata, **fields)
+        if runner.execute_model(output) is None:
+            result = runner.sample_tokens(None)
+            get_output = getattr(result, "get_output", None)  # async scheduling: wait for the tokens
+            if get_output is not None:
+                get_output()
+
+    step(scheduled_new_reqs=[NewRequestData(req_id=r, prompt_token_ids=[0], mm_features=[], sampling_params=params,
+                                            pooling_params=None, block_ids=null_block, num_computed_tokens=0,
+                                            lora_request=None) for r in ids],
+         num_scheduled_tokens=one_each, total_num_scheduled_tokens=num_reqs)
+    step(scheduled_cached_reqs=CachedRequestData(req_ids=ids, resumed_req_ids=set(), new_token_ids=[[] for _ in ids],
+                                                 all_token_ids={}, new_block_ids=[None] * num_reqs,
+                                                 num_computed_tokens=[1] * num_reqs,
+                                                 num_output_tokens=[1] * num_reqs),
+         num_scheduled_tokens=one_each, total_num_scheduled_tokens=num_reqs)
+    step(finished_req_ids=set(ids))
