@@ -61,6 +61,7 @@ _WORKER = "vllm.v1.worker.gpu_worker:Worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _PLATFORM = "vllm.platforms.interface:Platform"
 _ATTN = "vllm.v1.attention.backend"
+_SCHED_OUT = "vllm.v1.core.sched.output"
 
 VLLM: list[Member] = [
     # TpuWorker (integrations/vllm/worker.py) overrides these of the GPU worker ...
@@ -99,6 +100,26 @@ VLLM: list[Member] = [
            accepts=("hidden_states",), why="TpuWorker.compile_or_warm_up_model calls the loaded model's"),
     Member(_RUNNER, "_dummy_sampler_run", ("hidden_states",), why="TpuWorker.compile_or_warm_up_model calls it"),
     Member(_RUNNER, "profile_run", accepts=(), why="TpuWorker.determine_available_memory calls it"),
+    # ... and runs whole steps through the runner in its warm-up (_warm_steps)
+    Member(_RUNNER, "execute_model", accepts=("scheduler_output",), why="TpuWorker's warm-up steps call it"),
+    Member(_RUNNER, "sample_tokens", ("grammar_output",), why="TpuWorker's warm-up steps call it"),
+    Member(_RUNNER, "kv_cache_config", why="TpuWorker's warm-up reads its kv_cache_groups"),
+    Member("vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups", why="TpuWorker's warm-up reads it"),
+    Member(_SCHED_OUT + ":SchedulerOutput", "make_empty", (), why="TpuWorker's warm-up builds its steps from it"),
+    Member(_SCHED_OUT + ":SchedulerOutput", None,
+           accepts=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+                    "total_num_scheduled_tokens", "finished_req_ids", "kv_connector_metadata"),
+           why="TpuWorker's warm-up sets these fields (dataclasses.replace)"),
+    Member(_SCHED_OUT + ":NewRequestData", None,
+           accepts=("req_id", "prompt_token_ids", "mm_features", "sampling_params", "pooling_params", "block_ids",
+                    "num_computed_tokens", "lora_request"), why="TpuWorker's warm-up builds its requests"),
+    Member(_SCHED_OUT + ":CachedRequestData", None,
+           accepts=("req_ids", "resumed_req_ids", "new_token_ids", "all_token_ids", "new_block_ids",
+                    "num_computed_tokens", "num_output_tokens"), why="TpuWorker's warm-up decodes its requests"),
+    Member("vllm.sampling_params:SamplingParams", None, accepts=("temperature", "max_tokens"),
+           why="TpuWorker's warm-up requests are greedy"),
+    Member("vllm.distributed.kv_transfer", "has_kv_transfer_group", (), why="TpuWorker's warm-up calls it"),
+    Member("vllm.distributed.kv_transfer", "get_kv_transfer_group", (), why="TpuWorker's warm-up calls it"),
     Member(_RUNNER, "load_model", accepts=("load_dummy_weights",), why="TpuWorker.load_model calls it"),
     # ... and reads or sets these of its state
     *_attributes(_RUNNER, "TpuModelRunner reads or sets it",
