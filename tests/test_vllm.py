@@ -268,6 +268,43 @@ def test_offline_generate_matches_hf(model_dir, hf, eager):
         assert ids == hf_greedy(hf, prompt_ids)
 
 
+WARM = """
+import json, sys
+import jax.monitoring
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, dtype="float32",
+          block_size=16)
+lowered = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: lowered.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None)
+result, params = {}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+for n in json.loads(sys.argv[2]):
+    before = len(lowered)
+    outs = llm.generate([{"prompt_token_ids": [7 + i]} for i in range(n)], params)
+    result[n] = [len(lowered) - before, [list(o.outputs[0].token_ids) for o in outs]]
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_request_counts_are_compiled_at_start_up(model_dir, hf):
+    """Steps of a request count the server has not served yet build no program: the worker's
+    warm-up ran whole steps of 1 to 16 requests (vLLM's input preparation follows the count; a new
+    one traced about 22 programs mid-serving), and left nothing behind (greedy = HF)."""
+    import json
+
+    counts = [1, 3, 6, 2, 8, 5]
+    env = {**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", WARM, model_dir, json.dumps(counts)],
+                          capture_output=True, text=True, env=env, timeout=SERVER_START_S)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, proc.stderr[-3000:]
+    result = json.loads(line[0][len("RESULT"):])
+    assert {n: lowered for n, (lowered, _) in result.items()} == {str(n): 0 for n in counts}
+    for n, (_, tokens) in result.items():
+        for i, ids in enumerate(tokens):
+            assert ids == hf_greedy(hf, [7 + i], 3)
+
+
 INT8 = """
 import json, sys
 from vllm import LLM, SamplingParams

@@ -104,6 +104,8 @@ VLLM: list[Member] = [
     Member(_RUNNER, "execute_model", accepts=("scheduler_output",), why="TpuWorker's warm-up steps call it"),
     Member(_RUNNER, "sample_tokens", ("grammar_output",), why="TpuWorker's warm-up steps call it"),
     Member(_RUNNER, "kv_cache_config", why="TpuWorker's warm-up reads its kv_cache_groups"),
+    Member(_RUNNER, "is_pooling_model", why="TpuWorker's warm-up steps sample, so skip pooling models"),
+    Member("vllm.config:ParallelConfig", "pipeline_parallel_size", why="TpuWorker's warm-up reads it"),
     Member("vllm.v1.kv_cache_interface:KVCacheConfig", "kv_cache_groups", why="TpuWorker's warm-up reads it"),
     Member(_SCHED_OUT + ":SchedulerOutput", "make_empty", (), why="TpuWorker's warm-up builds its steps from it"),
     Member(_SCHED_OUT + ":SchedulerOutput", None,

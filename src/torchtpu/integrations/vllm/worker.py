@@ -99,14 +99,18 @@ class TpuWorker(Worker):
         runner's ``execute_model`` and ``sample_tokens``: ``n`` one-token requests are added
         (a prefill step), decode one token (a decode step) and finish. They write the reserved
         null block only; no request is left behind. With a KV connector other than torchtpu's
-        (whose empty per-step metadata is not known here), the forward, logits and greedy pick
-        of each decode batch are warmed instead (``_dummy_run``), not the input preparation.
+        (whose empty per-step metadata is not known here), a pooling model (no sampler) or
+        pipeline parallelism (a step's result is another stage's input), the forward, logits and
+        greedy pick of each decode batch are warmed instead (``_dummy_run``), not the input
+        preparation.
         """
         max_num_reqs = min(self.scheduler_config.max_num_seqs,
                            self.scheduler_config.max_num_batched_tokens)
         counts = sorted({*range(1, min(max_num_reqs, DECODE_WARMUP_MAX) + 1), max_num_reqs})
         runner = self.model_runner
         metadata = _empty_connector_metadata()
+        if runner.is_pooling_model or self.parallel_config.pipeline_parallel_size > 1:
+            metadata = False
         for num_reqs in counts:
             if metadata is not False:
                 _warm_steps(runner, num_reqs, metadata)
