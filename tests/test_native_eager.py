@@ -136,6 +136,41 @@ def test_views_alias_and_in_place_writes_through_them():
     assert torch.equal(out.cpu(), ref[2:5, 1:3] * 3 + 1)
 
 
+@pytest.mark.parametrize("case", ["transposed", "channels_last", "size_one_dims", "two_outputs"])
+def test_outputs_laid_out_as_pytorch_lays_them_out(case):
+    """An op on a permuted input gives an output in the input's layout (PyTorch's rule); the native
+    kernel runs the program that writes it in that layout at once. Same values and strides as the
+    Python kernel and the CPU, and the result reads, views and writes back like any tensor."""
+    gen = torch.Generator().manual_seed(3)
+    if case == "transposed":  # (a rotary embedding's q * cos: q a [B, T, H, D] -> [B, H, T, D] view)
+        x, other = torch.randn(2, 5, 4, 8, generator=gen).transpose(1, 2), torch.randn(1, 1, 5, 8, generator=gen)
+    elif case == "channels_last":
+        x = torch.randn(2, 3, 4, 5, generator=gen).contiguous(memory_format=torch.channels_last)
+        other = torch.randn(3, 1, 1, generator=gen)
+    elif case == "size_one_dims":  # a layout whose size-1 dims tie in memory order
+        x, other = torch.randn(1, 1, 4, 8, generator=gen).transpose(1, 2), torch.randn(1, 4, 1, 8, generator=gen)
+    else:
+        x, other = torch.randn(3, 6, generator=gen).t(), None
+
+    def run(device, native=True):
+        nk.set_enabled(native)
+        try:
+            t = torch.empty_strided(x.shape, x.stride(), device=device).copy_(x)  # x's layout on the device
+            for _ in range(2):  # the second call is the learnt native one
+                outs = list(torch.sort(t, dim=0)) if other is None else [t * other.to(device) + 1.5]
+            outs[0].add_(1.0)
+            outs.append(outs[0].sum(0) if other is None else outs[0].flatten(1) * 2)
+            return outs
+        finally:
+            nk.set_enabled(True)
+
+    native, python, cpu = run("tpu"), run("tpu", native=False), run("cpu")
+    for n, p, c in zip(native, python, cpu):
+        assert n.stride() == p.stride() == c.stride()
+        assert _equal(n, p)
+        torch.testing.assert_close(n.cpu(), c)
+
+
 def test_autograd_through_native_kernels():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))

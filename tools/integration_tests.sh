@@ -49,6 +49,8 @@ VLLM_TESTS=(
     "$T/test_vllm.py::test_server_runs_the_compiled_forward"
     "$T/test_vllm.py::test_server_64_concurrent_requests_none_dropped_or_corrupted"
     "$T/test_vllm.py::test_server_rejects_bad_requests_and_keeps_serving"
+    # the worker's warm-up: request counts 1-8 served after start-up lower no program, tokens = HF
+    "$T/test_vllm.py::test_request_counts_are_compiled_at_start_up"
     # several replicas behind vllm-router (issue 30): greedy = HF through the router, the
     # metrics contract under load, KV events, sessions, failover (one replica SIGKILLed under
     # load: the router retries its requests on the other; tools/serve_replicas.py's retry

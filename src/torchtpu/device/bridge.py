@@ -295,6 +295,41 @@ def wrap(array: jax.Array, index: int = 0, strides: tuple | None = None) -> torc
     return t
 
 
+def wrap_in_memory_order(array: jax.Array, index: int, order: tuple | None) -> torch.Tensor:
+    """``wrap`` for an array already transposed into the memory ``order`` of its tensor (dims from
+    the outermost; None: ``array`` is the tensor's, contiguous): the tensor's shape is ``array``'s
+    put back in dim order. Where that shape makes ``order``'s strides contiguous after all, or
+    orders its size-1 dims otherwise than ``memory_order`` does, the array is reshaped (the same
+    elements in the same order)."""
+    if order is None:
+        return wrap(array, index)
+    shape, strides, stored = _geometry_in_order(array.shape, order)
+    if strides is None:  # contiguous: the storage holds the tensor's own shape
+        return wrap(apply(_reshape(shape), array), index)
+    if stored != array.shape:
+        array = apply(_reshape(stored), array)
+    dtype = JAX_TO_TORCH[array.dtype]
+    storage = new_storage(math.prod(shape) * dtype.itemsize, index)
+    t = _shell(dtype, index)
+    _set_storage(_CPU, t, storage, 0, shape, list(strides))
+    storage._jax = array
+    if capturing:
+        _touched(storage)
+    return t
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_in_order(array_shape: tuple, order: tuple) -> tuple:
+    """(tensor shape, its strides or None if contiguous, the stored array's shape) of an array
+    transposed into memory ``order`` (``wrap_in_memory_order``)."""
+    shape = [0] * len(order)
+    for position, dim in enumerate(order):
+        shape[dim] = array_shape[position]
+    shape = tuple(shape)
+    strides = dense_layout(shape, strides_in_order(shape, order))
+    return shape, strides, None if strides is None else tuple(shape[d] for d in memory_order(strides))
+
+
 def dense_layout(shape, strides) -> tuple | None:
     """``strides`` if they lay ``shape`` out densely in another order than the contiguous one
     (channels_last, a transposed result), else None (contiguous, or not a permutation)."""
@@ -321,6 +356,11 @@ def strides_in_order(shape, order) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _permute(order: tuple):
     return jax.jit(lambda x: jnp.transpose(x, order))
+
+
+@functools.lru_cache(maxsize=256)
+def _reshape(shape: tuple):
+    return jax.jit(lambda x: jnp.reshape(x, shape))
 
 
 def array_of(storage):

@@ -25,6 +25,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -405,20 +406,22 @@ class Kernel:
                 layouts = _layouts(argument_errors.validate(self.op, *call))
             fn = self._build(key, device_index, setting)
             if layouts is not None:  # its outputs are laid out as PyTorch lays them out (channels_last, ...)
-                fn = _LaidOut(fn, layouts)
+                fn = _LaidOut(fn, layouts, self._build(key, device_index, setting, orders=layouts))
             self._jitted[cache_key] = fn
         return fn
 
-    def _build(self, key, device_index, setting, donate: bool = False):
+    def _build(self, key, device_index, setting, donate: bool = False, orders: tuple | None = None):
+        """The program of a call ``key``; ``orders``: outputs transposed into these memory orders
+        (``_LaidOut.fn``, the native kernel's program for outputs not laid out contiguously)."""
         lowering, plat, what = self.lowering, platform.platform(), f"the lowering of {self.name}"
 
         def compute(op_key, dyn):
             args, kwargs = rebuild(key, dyn)
             with precision.tracing(setting, what):
                 if not lowering.checked:
-                    return lowering.call(op_key, args, kwargs, plat)
+                    return _in_memory_order(lowering.call(op_key, args, kwargs, plat), orders)
                 with checks.collecting(self.name) as found:  # its index checks: one code, returned last
-                    out = lowering.call(op_key, args, kwargs, plat)
+                    out = _in_memory_order(lowering.call(op_key, args, kwargs, plat), orders)
                 return (*out, checks.code(found)) if isinstance(out, (tuple, list)) else (out, checks.code(found))
 
         if lowering.random:
@@ -577,15 +580,29 @@ def _strides(array, order: tuple | None) -> tuple | None:
 
 class _LaidOut:
     """A program whose outputs PyTorch lays out otherwise than contiguously: ``layouts`` holds
-    each output's memory order (None for a contiguous one), from its meta kernel."""
+    each output's memory order (None for a contiguous one), from its meta kernel. Called, it
+    returns the outputs in their logical shapes (``wrap_outputs`` transposes them into their
+    storages, a second program); ``fn`` is the same program with that transpose inside, which the
+    native kernel runs (``native_kernels.wrap_laid_out`` then only wraps)."""
 
-    __slots__ = ("fn", "layouts", "__weakref__")  # (JAX keeps weak references to traced functions)
+    __slots__ = ("logical", "fn", "layouts", "__weakref__")  # (JAX keeps weak references to traced functions)
 
-    def __init__(self, fn, layouts: tuple):
-        self.fn, self.layouts = fn, layouts
+    def __init__(self, logical, layouts: tuple, in_memory_order):
+        self.logical, self.layouts, self.fn = logical, layouts, in_memory_order
 
     def __call__(self, *dyn):
-        return self.fn(*dyn)
+        return self.logical(*dyn)
+
+
+def _in_memory_order(out, orders: tuple | None):
+    """A lowering's outputs, each with a memory order in ``orders`` transposed into it."""
+    if orders is None:
+        return out
+    if isinstance(out, (tuple, list)):
+        padded = (*orders, *(None,) * (len(out) - len(orders)))
+        items = [o if order is None or o is None else jnp.transpose(o, order) for o, order in zip(out, padded)]
+        return items if isinstance(out, list) else tuple(items)
+    return out if orders[0] is None else jnp.transpose(out, orders[0])
 
 
 def _layouts(meta) -> tuple | None:

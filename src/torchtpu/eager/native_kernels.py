@@ -80,11 +80,12 @@ def write_back(target: torch.Tensor, value, name: str) -> None:
 
 def wrap_laid_out(out, index: int, layouts: tuple):
     """Outputs PyTorch lays out otherwise than contiguously (channels_last, a permuted input's
-    layout), wrapped as ``dispatch.Kernel`` wraps them: one tensor, or a tuple."""
+    layout), as ``dispatch.Kernel`` wraps them: one tensor, or a tuple. The native kernel runs
+    ``_LaidOut.fn``, whose outputs are already in their memory orders (``layouts``)."""
     if isinstance(out, (tuple, list)):
-        return tuple(None if o is None else bridge.wrap(o, index, dispatch._strides(o, order))
+        return tuple(None if o is None else bridge.wrap_in_memory_order(o, index, order)
                      for o, order in zip(out, layouts))
-    return bridge.wrap(out, index, dispatch._strides(out, layouts[0]))
+    return bridge.wrap_in_memory_order(out, index, layouts[0])
 
 
 def eligible(op, kernel) -> tuple | None:
