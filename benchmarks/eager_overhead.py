@@ -62,6 +62,9 @@ CASES = [
     Case("sum(dim=1)", (SMALL,), lambda x: x.sum(dim=1), lambda x: x.sum(axis=1)),
     Case("x.t() (view)", (SMALL,), lambda x: x.t(), lambda x: x.T),
     Case("cat", (SMALL, SMALL), lambda x, y: torch.cat([x, y], dim=1), lambda x, y: jnp.concatenate([x, y], 1)),
+    # an elementwise op on a transposed input: its output is laid out like the input, as PyTorch
+    # lays it out (a rotary embedding's q * cos on a [B, T, H, D] -> [B, H, T, D] view)
+    Case("x.t() * y (laid out)", ((SMALL[1], SMALL[0]), SMALL), lambda x, y: x.t() * y, lambda x, y: x.T * y),
     Case("matmul", ((256, 256), (256, 256)), torch.matmul, jnp.matmul),
 ]
 MATMUL = "matmul"
