@@ -445,8 +445,9 @@ class Kernel:
         index, out, _ = self._run(args, kwargs)
         return index, out
 
-    def _run(self, args, kwargs):
-        """``run``, and the memory layouts PyTorch gives the outputs (None: contiguous)."""
+    def _run(self, args, kwargs, in_memory_order: bool = False):
+        """``run``, and the memory layouts PyTorch gives the outputs (None: contiguous);
+        ``in_memory_order``: laid-out outputs come transposed into their layouts (``_LaidOut.fn``)."""
         lowering = self.lowering
         generator = None
         if lowering.random and self.sig.generator is not None:
@@ -470,7 +471,9 @@ class Kernel:
         if lowering.random:
             dyn = (*rng.next_key_args(index, generator), *dyn)
         _op_counts[self.name] += 1
-        return index, self._execute(fn, dyn, index), fn.layouts if fn.__class__ is _LaidOut else None
+        if fn.__class__ is not _LaidOut:
+            return index, self._execute(fn, dyn, index), None
+        return index, self._execute(fn.fn if in_memory_order else fn.logical, dyn, index), fn.layouts
 
     def _execute(self, fn, dyn, index):
         """Run the program ``fn`` in the current mode; a checked op's code is handed to
@@ -483,9 +486,9 @@ class Kernel:
         return out[0] if self.single else tuple(out[:-1])
 
     def __call__(self, *args, **kwargs):
-        index, out, layouts = self._run(args, kwargs)
+        index, out, layouts = self._run(args, kwargs, in_memory_order=True)
         if layouts is not None:
-            return wrap_outputs(out, index, self.sig, layouts)
+            return wrap_outputs(out, index, self.sig, layouts, in_memory_order=True)
         return wrap_outputs(out, index, self.sig)
 
     def run_inplace(self, args, kwargs):
@@ -559,11 +562,18 @@ _BLOCKING = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _default_dtype = torch.get_default_dtype
 
 
-def wrap_outputs(out, index: int, sig: _Signature, layouts: tuple | None = None):
+def wrap_outputs(out, index: int, sig: _Signature, layouts: tuple | None = None, in_memory_order: bool = False):
     """The raw outputs as tpu tensors; ``layouts``: each output's memory order (dims from the
-    outermost) where PyTorch does not make it contiguous (a channels_last result), else None."""
+    outermost) where PyTorch does not make it contiguous (a channels_last result), else None;
+    ``in_memory_order``: those outputs are already transposed into it (``_LaidOut.fn``'s)."""
     if sig.returns_none:
         return None
+    if in_memory_order and layouts is not None:
+        if isinstance(out, (tuple, list)):
+            wrapped = [None if o is None else bridge.wrap_in_memory_order(o, index, order)
+                       for o, order in zip(out, (*layouts, *(None,) * (len(out) - len(layouts))))]
+            return wrapped if sig.returns_list else tuple(wrapped)
+        return bridge.wrap_in_memory_order(out, index, layouts[0])
     if isinstance(out, (tuple, list)):
         orders = layouts or (None,) * len(out)
         wrapped = [None if o is None else bridge.wrap(o, index, _strides(o, order)) for o, order in zip(out, orders)]
@@ -580,10 +590,11 @@ def _strides(array, order: tuple | None) -> tuple | None:
 
 class _LaidOut:
     """A program whose outputs PyTorch lays out otherwise than contiguously: ``layouts`` holds
-    each output's memory order (None for a contiguous one), from its meta kernel. Called, it
-    returns the outputs in their logical shapes (``wrap_outputs`` transposes them into their
-    storages, a second program); ``fn`` is the same program with that transpose inside, which the
-    native kernel runs (``native_kernels.wrap_laid_out`` then only wraps)."""
+    each output's memory order (None for a contiguous one), from its meta kernel. ``fn`` is the
+    program with each such output transposed into its order inside it, which the op's kernels run
+    (``Kernel.__call__``, the native kernel; the outputs then only need wrapping:
+    ``bridge.wrap_in_memory_order``); called (``logical``), the outputs keep their logical shapes,
+    for the callers that write them elsewhere (in-place variants, ``run``)."""
 
     __slots__ = ("logical", "fn", "layouts", "__weakref__")  # (JAX keeps weak references to traced functions)
 
