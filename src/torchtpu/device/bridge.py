@@ -301,7 +301,7 @@ def wrap_in_memory_order(array: jax.Array, index: int, order: tuple | None) -> t
     put back in dim order. Where that shape makes ``order``'s strides contiguous after all, or
     orders its size-1 dims otherwise than ``memory_order`` does, the array is reshaped (the same
     elements in the same order)."""
-    if order is None:
+    if order is None or len(order) != len(array.shape):  # (not transposed: see dispatch._in_memory_order)
         return wrap(array, index)
     shape, strides, stored = _geometry_in_order(array.shape, order)
     if strides is None:  # contiguous: the storage holds the tensor's own shape

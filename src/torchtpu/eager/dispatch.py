@@ -606,14 +606,18 @@ class _LaidOut:
 
 
 def _in_memory_order(out, orders: tuple | None):
-    """A lowering's outputs, each with a memory order in ``orders`` transposed into it."""
+    """A lowering's outputs, each with a memory order in ``orders`` (of its rank: the order is
+    the meta kernel's for the first call's outputs) transposed into it."""
     if orders is None:
         return out
+
+    def laid_out(o, order):
+        return o if order is None or o is None or len(order) != o.ndim else jnp.transpose(o, order)
+
     if isinstance(out, (tuple, list)):
-        padded = (*orders, *(None,) * (len(out) - len(orders)))
-        items = [o if order is None or o is None else jnp.transpose(o, order) for o, order in zip(out, padded)]
+        items = [laid_out(o, order) for o, order in zip(out, (*orders, *(None,) * (len(out) - len(orders))))]
         return items if isinstance(out, list) else tuple(items)
-    return out if orders[0] is None else jnp.transpose(out, orders[0])
+    return laid_out(out, orders[0])
 
 
 def _layouts(meta) -> tuple | None:
