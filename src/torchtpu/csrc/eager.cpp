@@ -91,7 +91,7 @@ struct Globals {
   PyObject* host_scalar_fn = nullptr;    // dispatch._host_scalar(value, dtype)
   PyObject* op_counts = nullptr;         // metrics.ops (a Counter)
   PyObject* write_back = nullptr;        // native_kernels.write_back(target, value, name)
-  PyObject* wrap_laid_out = nullptr;     // native_kernels.wrap_laid_out(out, device, layouts)
+  PyObject* wrap_laid_out = nullptr;     // dispatch.wrap_laid_out(out, device, layouts)
   PyObject* defer_check = nullptr;       // ops/checks.py's defer(code, blocking)
   PyObject* s_fn = nullptr;
   PyObject* s_layouts = nullptr;

@@ -280,16 +280,19 @@ def wrap(array: jax.Array, index: int = 0, strides: tuple | None = None) -> torc
     """A new ``tpu:index`` tensor holding ``array`` (which must already be on that device);
     ``strides``: its memory layout where not contiguous (a ``dense_layout``: the storage then holds
     the array's dims in the layout's order, as PyTorch's memory would)."""
-    shape = array.shape
-    dtype = JAX_TO_TORCH[array.dtype]
+    if strides is None:
+        return _wrap_stored(array, index, array.shape, _strides_of(array.shape))
+    return _wrap_stored(apply(_permute(memory_order(strides)), array), index, array.shape, strides)
+
+
+def _wrap_stored(stored: jax.Array, index: int, shape: tuple, strides) -> torch.Tensor:
+    """A new ``tpu:index`` tensor of ``shape`` and ``strides`` whose storage holds ``stored`` (the
+    elements in memory order)."""
+    dtype = JAX_TO_TORCH[stored.dtype]
     storage = new_storage(math.prod(shape) * dtype.itemsize, index)
     t = _shell(dtype, index)
-    if strides is None:
-        _set_storage(_CPU, t, storage, 0, shape, _strides_of(shape))
-    else:
-        _set_storage(_CPU, t, storage, 0, shape, list(strides))
-        array = apply(_permute(memory_order(strides)), array)
-    storage._jax = array
+    _set_storage(_CPU, t, storage, 0, shape, list(strides))
+    storage._jax = stored
     if capturing:
         _touched(storage)
     return t
@@ -308,14 +311,7 @@ def wrap_in_memory_order(array: jax.Array, index: int, order: tuple | None) -> t
         return wrap(apply(_reshape(shape), array), index)
     if stored != array.shape:
         array = apply(_reshape(stored), array)
-    dtype = JAX_TO_TORCH[array.dtype]
-    storage = new_storage(math.prod(shape) * dtype.itemsize, index)
-    t = _shell(dtype, index)
-    _set_storage(_CPU, t, storage, 0, shape, list(strides))
-    storage._jax = array
-    if capturing:
-        _touched(storage)
-    return t
+    return _wrap_stored(array, index, shape, strides)
 
 
 @functools.lru_cache(maxsize=4096)

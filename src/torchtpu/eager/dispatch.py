@@ -569,11 +569,8 @@ def wrap_outputs(out, index: int, sig: _Signature, layouts: tuple | None = None,
     if sig.returns_none:
         return None
     if in_memory_order and layouts is not None:
-        if isinstance(out, (tuple, list)):
-            wrapped = [None if o is None else bridge.wrap_in_memory_order(o, index, order)
-                       for o, order in zip(out, (*layouts, *(None,) * (len(out) - len(layouts))))]
-            return wrapped if sig.returns_list else tuple(wrapped)
-        return bridge.wrap_in_memory_order(out, index, layouts[0])
+        wrapped = wrap_laid_out(out, index, layouts)
+        return list(wrapped) if sig.returns_list else wrapped
     if isinstance(out, (tuple, list)):
         orders = layouts or (None,) * len(out)
         wrapped = [None if o is None else bridge.wrap(o, index, _strides(o, order)) for o, order in zip(out, orders)]
@@ -605,6 +602,20 @@ class _LaidOut:
         return self.logical(*dyn)
 
 
+def wrap_laid_out(out, index: int, layouts: tuple):
+    """``_LaidOut.fn``'s outputs (already in their memory orders, ``layouts``) as tpu tensors: one
+    tensor, or a tuple (also the native kernel's wrap for them)."""
+    if isinstance(out, (tuple, list)):
+        return tuple(None if o is None else bridge.wrap_in_memory_order(o, index, order)
+                     for o, order in zip(out, _padded(layouts, len(out))))
+    return bridge.wrap_in_memory_order(out, index, layouts[0])
+
+
+def _padded(orders: tuple, n: int) -> tuple:
+    """``orders`` for ``n`` outputs: the lowering's outputs past the schema's have none."""
+    return (*orders, *(None,) * (n - len(orders)))
+
+
 def _in_memory_order(out, orders: tuple | None):
     """A lowering's outputs, each with a memory order in ``orders`` (of its rank: the order is
     the meta kernel's for the first call's outputs) transposed into it."""
@@ -615,7 +626,7 @@ def _in_memory_order(out, orders: tuple | None):
         return o if order is None or o is None or len(order) != o.ndim else jnp.transpose(o, order)
 
     if isinstance(out, (tuple, list)):
-        items = [laid_out(o, order) for o, order in zip(out, (*orders, *(None,) * (len(out) - len(orders))))]
+        items = [laid_out(o, order) for o, order in zip(out, _padded(orders, len(out)))]
         return items if isinstance(out, list) else tuple(items)
     return laid_out(out, orders[0])
 

@@ -61,7 +61,7 @@ def _setup():
         "host_scalar": dispatch._host_scalar,
         "op_counts": metrics.ops,
         "write_back": write_back,
-        "wrap_laid_out": wrap_laid_out,
+        "wrap_laid_out": dispatch.wrap_laid_out,
         "defer_check": checks.defer,
         "dtypes": [(t, np.dtype(j)) for t, j in TORCH_TO_JAX.items()],
     })
@@ -76,16 +76,6 @@ def write_back(target: torch.Tensor, value, name: str) -> None:
     if value.dtype != TORCH_TO_JAX[target.dtype]:
         dispatch._check_cast(value.dtype, target.dtype, name)
     bridge.write(target, value)
-
-
-def wrap_laid_out(out, index: int, layouts: tuple):
-    """Outputs PyTorch lays out otherwise than contiguously (channels_last, a permuted input's
-    layout), as ``dispatch.Kernel`` wraps them: one tensor, or a tuple. The native kernel runs
-    ``_LaidOut.fn``, whose outputs are already in their memory orders (``layouts``)."""
-    if isinstance(out, (tuple, list)):
-        return tuple(None if o is None else bridge.wrap_in_memory_order(o, index, order)
-                     for o, order in zip(out, layouts))
-    return bridge.wrap_in_memory_order(out, index, layouts[0])
 
 
 def eligible(op, kernel) -> tuple | None:
