@@ -38,7 +38,7 @@ EAGER = [
     "expand", "flatten", "narrow", "flip", "roll", "tril",
     # indexing
     "index_select", "gather", "scatter", "index_put", "masked_fill", "masked_select",
-    "__getitem__", "nonzero",
+    "__getitem__", "nonzero", "isin",
     # linalg
     "matmul", "mm", "bmm", "addmm", "einsum", "outer",
     # factories

@@ -50,6 +50,7 @@
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -460,7 +461,52 @@ bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, Dyn
 }
 
 // A new tpu tensor holding `array` on tpu:`device`; undefined on failure (a Python error set).
-at::Tensor wrap(PyObject* array, int device) {
+// The geometry of an output that a laid-out program (dispatch._LaidOut.fn) returns already
+// transposed into its memory order `order` (a tuple of dims from the outermost), as
+// bridge.wrap_in_memory_order gives it: the tensor's sizes are the array's put back in dim order,
+// its strides those of a dense layout in that order. False where that function would reshape the
+// array first (the strides come out contiguous after all, or the array's dims are not in the
+// order of the strides, which happens with ties between size-1 dims): the caller then wraps in Python.
+bool laid_out_geometry(const std::vector<int64_t>& stored, PyObject* order, std::vector<int64_t>& sizes,
+                       std::vector<int64_t>& strides) {
+  size_t n = stored.size();
+  if (order == nullptr || order == Py_None || !PyTuple_Check(order) || static_cast<size_t>(PyTuple_GET_SIZE(order)) != n) {
+    sizes = stored;
+    return true;  // (not transposed: a contiguous output)
+  }
+  std::vector<int64_t> dims(n);
+  sizes.assign(n, 0);
+  for (size_t p = 0; p < n; p++) {
+    dims[p] = PyLong_AsLongLong(PyTuple_GET_ITEM(order, p));
+    if (dims[p] < 0 || static_cast<size_t>(dims[p]) >= n) return false;
+    sizes[dims[p]] = stored[p];
+  }
+  strides.assign(n, 0);
+  int64_t step = 1;
+  for (size_t p = n; p-- > 0;) {  // bridge.strides_in_order
+    strides[dims[p]] = step;
+    step *= std::max<int64_t>(sizes[dims[p]], 1);
+  }
+  bool contiguous = true;  // bridge.dense_layout: None for contiguous strides or an empty tensor
+  step = 1;
+  for (size_t d = n; d-- > 0;) {
+    if (sizes[d] == 0) return false;
+    contiguous = contiguous && strides[d] == step;
+    step *= std::max<int64_t>(sizes[d], 1);
+  }
+  if (contiguous) return false;
+  std::vector<int64_t> by_stride(n);  // bridge.memory_order: by decreasing stride, ties in dim order
+  for (size_t d = 0; d < n; d++) by_stride[d] = static_cast<int64_t>(d);
+  std::stable_sort(by_stride.begin(), by_stride.end(), [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  step = 1;
+  for (size_t p = n; p-- > 0;) {  // the strides must be those of that order, and the array's dims in it
+    if (strides[by_stride[p]] != step || sizes[by_stride[p]] != stored[p]) return false;
+    step *= std::max<int64_t>(sizes[by_stride[p]], 1);
+  }
+  return true;
+}
+
+at::Tensor wrap(PyObject* array, int device, PyObject* order = nullptr, bool* python = nullptr) {
   Globals& g = G();
   if (array == Py_None) return at::Tensor();
   if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type)) {
@@ -484,6 +530,14 @@ at::Tensor wrap(PyObject* array, int device) {
     numel *= sizes[i];
   }
   Py_DECREF(shape);
+  std::vector<int64_t> strides;
+  if (order != nullptr) {
+    std::vector<int64_t> stored = std::move(sizes);
+    if (!laid_out_geometry(stored, order, sizes, strides)) {
+      *python = true;
+      return at::Tensor();
+    }
+  }
   c10::ScalarType st = found->second;
   int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(st));
   c10::Device where(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
@@ -499,8 +553,38 @@ at::Tensor wrap(PyObject* array, int device) {
   if (failed) return at::Tensor();
   auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                          c10::scalarTypeToTypeMeta(st));
-  tensor.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  if (strides.empty()) {
+    tensor.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  } else {
+    tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  }
   return tensor;
+}
+
+// Each output of a laid-out program as a tensor (into `outs`), or false where one needs the Python
+// wrap (dispatch.wrap_laid_out), which also raises what is wrong with them.
+bool wrap_laid_out(const c10::OperatorHandle& op, PyObject* out, PyObject* layouts, int device,
+                   std::vector<at::Tensor>& outs) {
+  // One output (the schema's one; a checked op's code was taken off above), or a tuple of them
+  // with one order each (the lowering's outputs past the schema's have none: dispatch._padded).
+  bool python = false;
+  bool single = op.schema().returns().size() == 1;
+  if (single) {
+    PyObject* order = PyTuple_Check(layouts) && PyTuple_GET_SIZE(layouts) > 0 ? PyTuple_GET_ITEM(layouts, 0) : Py_None;
+    outs.push_back(wrap(out, device, order, &python));
+    python = python || !outs.back().defined();
+  } else if (PyTuple_Check(out) && static_cast<size_t>(PyTuple_GET_SIZE(out)) == op.schema().returns().size()) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(out) && !python; i++) {
+      PyObject* item = PyTuple_GET_ITEM(out, i);
+      PyObject* order = PyTuple_Check(layouts) && i < PyTuple_GET_SIZE(layouts) ? PyTuple_GET_ITEM(layouts, i) : Py_None;
+      outs.push_back(wrap(item, device, order, &python));  // (None: an undefined tensor)
+      python = python || (!outs.back().defined() && item != Py_None);
+    }
+  } else {
+    python = true;
+  }
+  PyErr_Clear();
+  return !python;
 }
 
 // Pushes the program's result onto the stack as the op's returns; false (nothing pushed, a Python
@@ -874,7 +958,18 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     return;
   }
   PyObject* layouts = found->second.layouts;
-  if (layouts != nullptr) {  // outputs PyTorch lays out otherwise than contiguously: wrapped in Python
+  std::vector<at::Tensor> laid_out;
+  if (layouts != nullptr && wrap_laid_out(op, out, layouts, device, laid_out)) {  // outputs PyTorch lays
+    torch::jit::drop(*stack, nargs);                                              // out otherwise than contiguously
+    for (auto& t : laid_out) stack->emplace_back(std::move(t));
+    Py_DECREF(out);
+    stamps.mark(4);
+    self.native_calls_++;
+    count_op(self);
+    stamps.done(g);
+    return;
+  }
+  if (layouts != nullptr) {  // the ones bridge.wrap_in_memory_order reshapes: wrapped in Python
     PyObject* wrapped = PyObject_CallFunctionObjArgs(g.wrap_laid_out, out, py::int_(device).ptr(), layouts, nullptr);
     Py_DECREF(out);
     if (wrapped == nullptr) throw py::error_already_set();

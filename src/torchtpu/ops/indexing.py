@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from torchtpu.ops import checks
-from torchtpu.ops.dtypes import is_float, is_integral, opmath
+from torchtpu.ops.dtypes import is_float, is_integral, opmath, promote
 from torchtpu.ops.registry import aten, lowering
 
 
@@ -494,6 +494,16 @@ def searchsorted(seq, x, *, out_int32=False, right=False, side=None, sorter=None
 @lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
 def bucketize(x, boundaries, *, out_int32=False, right=False):
     return _searchsorted(boundaries, jnp.asarray(x), "right" if right else "left", out_int32)
+
+
+@lowering(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    """Each element's membership in ``test_elements``, compared in PyTorch's common dtype of the
+    two (a Python number takes the tensor's, as a wrapped number does). One program (JAX picks a
+    comparison of all pairs or a sort by the sizes), where PyTorch's decomposition is several ops."""
+    compute, _ = promote(elements, test_elements)
+    found = jnp.isin(jnp.asarray(elements).astype(compute), jnp.asarray(test_elements).astype(compute).reshape(-1))
+    return jnp.logical_not(found) if invert else found
 
 
 @lowering(aten.bincount.default, jit=False)
