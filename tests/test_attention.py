@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchtpu import metrics
 from torchtpu.ops import attention, registry
 
 aten = torch.ops.aten
@@ -201,25 +202,53 @@ def test_sdpa_kernel_selects_the_backend():
 def test_sdpa_without_autograd_takes_the_fused_op(grad_mode):
     """Serving engines run models under ``torch.inference_mode`` (vLLM) or ``no_grad`` (HF): SDPA
     still chooses its backend there (inference mode skips the autograd keys; the math path it fell
-    to cost a vLLM decode step 20x its attention) and matches PyTorch's CPU."""
+    to cost a vLLM decode step 20x its attention) and matches PyTorch's CPU. With no backward to
+    feed, the fused op's lowering runs for its output alone (``attention._OutputOnly``: no dropout
+    key drawn, no logsumexp kept), each call after the first too."""
     q, k, v = _randn(8, 4, 1, 16, seed=1), _randn(8, 2, 40, 16, seed=2), _randn(8, 2, 40, 16, seed=3)
     mask = torch.rand(8, 1, 1, 40, generator=torch.Generator().manual_seed(4)) > 0.3
     context = getattr(torch, grad_mode)
+    fused = "aten._scaled_dot_product_fused_attention_overrideable.default"
 
     def run(device, backends=None):
         chosen = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+        before = metrics.ops[fused]
         with context(), torch.profiler.profile() as prof, chosen:
             out = F.scaled_dot_product_attention(*(t.to(device) for t in (q, k, v)), attn_mask=mask.to(device),
                                                  scale=0.3, enable_gqa=True).cpu()
-        return out, {e.name for e in prof.events()}
+        return out, {e.name for e in prof.events()}, metrics.ops[fused] - before
 
-    out, ops = run("tpu")
-    assert "aten::_scaled_dot_product_fused_attention_overrideable" in ops
-    assert "aten::_scaled_dot_product_attention_math" not in ops
-    torch.testing.assert_close(out, run("cpu")[0], atol=1e-5, rtol=1e-4)
-    math, ops = run("tpu", [SDPBackend.MATH])  # and the choice still follows sdpa_kernel
-    assert "aten::_scaled_dot_product_fused_attention_overrideable" not in ops
+    for _ in range(2):
+        out, ops, runs = run("tpu")
+        assert runs == 1 and "aten::_scaled_dot_product_attention_math" not in ops
+        assert "aten::_scaled_dot_product_fused_attention_overrideable" not in ops or _ == 0  # (its meta: the first)
+        torch.testing.assert_close(out, run("cpu")[0], atol=1e-5, rtol=1e-4)
+    math, ops, runs = run("tpu", [SDPBackend.MATH])  # and the choice still follows sdpa_kernel
+    assert runs == 0 and "aten::_scaled_dot_product_attention_math" in ops
     torch.testing.assert_close(math, out, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("no_fallback")
+def test_sdpa_that_needs_a_backward_keeps_the_fused_op():
+    """Where a gradient can flow (an input requires one, grad mode on) or dropout draws a key, SDPA
+    dispatches the fused op, which autograd records; its gradients match PyTorch's CPU."""
+    q, k, v = _randn(2, 4, 3, 16, seed=1), _randn(2, 2, 9, 16, seed=2), _randn(2, 2, 9, 16, seed=3)
+
+    def run(device):
+        inputs = [t.to(device).requires_grad_() for t in (q, k, v)]
+        with torch.profiler.profile() as prof:
+            out = F.scaled_dot_product_attention(*inputs, enable_gqa=True)
+        out.sum().backward()
+        return [out.detach().cpu(), *(t.grad.cpu() for t in inputs)], {e.name for e in prof.events()}
+
+    got, ops = run("tpu")
+    assert "aten::_scaled_dot_product_fused_attention_overrideable" in ops
+    for a, b in zip(got, run("cpu")[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        dropped = F.scaled_dot_product_attention(*(t.to("tpu") for t in (q, k, v)), dropout_p=0.5, enable_gqa=True)
+    assert "aten::_scaled_dot_product_fused_attention_overrideable" in {e.name for e in prof.events()}
+    assert dropped.shape == q.shape
 
 
 @pytest.mark.usefixtures("no_fallback")

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import torch
+from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend
 
 from torchtpu.eager import dispatch
 from torchtpu.ops import registry
 from torchtpu.ops.registry import Lowering
+from torchtpu.runtime import rng
 from torchtpu.runtime.compat import overrideable_sdp_enabled, sdp_priority_order
 
 aten = torch.ops.aten
@@ -93,13 +96,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                                                                    float("-inf"))
         return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal, None,
                                                        scale=scale, enable_gqa=enable_gqa)[0]
+    if dropout_p == 0.0 and _INFERENCE is not None and _no_gradient(query, key, value, attn_mask):
+        return _INFERENCE(query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]
     return aten._scaled_dot_product_fused_attention_overrideable(query, key, value, attn_mask, dropout_p,
                                                                  is_causal, False, scale=scale)[0]
+
+
+def _no_gradient(*tensors) -> bool:
+    """Whether no gradient can flow from SDPA's output to these inputs (no_grad, inference mode, or
+    no input that requires one; no forward-mode AD), and they are plain ``tpu`` tensors (not a
+    tracer's: ``torch.compile`` traces the fused op, which autograd records)."""
+    if forward_ad._current_level >= 0:  # (inside ``forward_ad.dual_level()``: inputs may carry tangents)
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
 
 
 def _fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                       enable_gqa=False) -> int:
     return choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa).value
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputOnly(Lowering):
+    """The fused op's lowering (or its platform override) for a call without dropout that no
+    gradient flows through: its attention output alone. One program that draws no random key and
+    returns one array, where the op's kernel draws a key and wraps four outputs (logsumexp and the
+    dropout seeds, for the backward), about 4x the host time of a decode step's attention."""
+
+    def impl(self, platform: str | None = None):
+        full = registry.LOWERINGS[self.op].impl(platform)
+
+        def output(*args, **kwargs):
+            unused = rng.make_key(jnp.uint32(0), jnp.uint32(0), 0)  # (dropout_p is 0: never drawn from)
+            return (full(unused, *args, **kwargs)[0],)
+
+        return output
+
+
+_INFERENCE = None  # the fused op's kernel for calls that need no backward (``_OutputOnly``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +167,12 @@ def _fused_kernel():
                                             scale=scale)
         return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, None
 
+    global _INFERENCE
+    op = aten._scaled_dot_product_fused_attention_overrideable.default
+    low = registry.LOWERINGS[op]
+    _INFERENCE = dispatch.Kernel(_OutputOnly(op, low.fn, dots=low.dots))
     fused.functional = functional  # register.py drops its programs when the op's override changes
+    fused.inference = _INFERENCE  # (and these)
     return fused
 
 

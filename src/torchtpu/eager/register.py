@@ -182,9 +182,11 @@ def add(op: OpOverload) -> None:
 def _forget_programs(op: OpOverload) -> None:
     """``op``'s platform override changed: drop the programs its eager kernel built."""
     kernel = KERNELS.get(op)
+    inference = getattr(kernel, "inference", None)  # (the fused attention op's no-backward kernel)
     kernel = getattr(kernel, "functional", kernel)  # in-place, out= and mutating kernels wrap it
-    if isinstance(kernel, dispatch.Kernel):
-        kernel._jitted.clear()
+    for each in (kernel, inference):
+        if isinstance(each, dispatch.Kernel):
+            each._jitted.clear()
     native_kernels.forget()  # (the C++ kernels' learned programs of it, too)
 
 
