@@ -154,7 +154,8 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
         for row in budget:
             total, outside, *stages, jax_us = (float(c) for c in row.split("|")[2:-1])
             assert len(stages) == 5 and all(t >= 0 for t in stages) and stages[2] > 0  # (the JAX call)
-            assert outside + sum(stages) == pytest.approx(total, abs=0.11)
+            # each of the 7 printed values is rounded to 0.1 us: their sum may differ by 7 x 0.05
+            assert outside + sum(stages) == pytest.approx(total, abs=0.05 * (len(stages) + 2) + 1e-9)
     else:
         assert not budget
     assert [r.split("|")[1].strip() for r in rows] == ["add", "add_ (in place)"]
@@ -164,7 +165,7 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
         assert cpu_us > 0 and tpu_us > 0 and python_us > 0 and jax_us > 0
         assert ratio == pytest.approx(tpu_us / cpu_us, rel=0.05, abs=0.01)
         assert python_ratio == pytest.approx(python_us / tpu_us, rel=0.05, abs=0.01)
-        assert overhead == pytest.approx(tpu_us - jax_us, abs=0.11)
+        assert overhead == pytest.approx(tpu_us - jax_us, abs=0.15 + 1e-9)  # (three values rounded to 0.1)
 
 
 def test_dispatch_floor_benchmark_prints_table(capsys):
