@@ -106,10 +106,9 @@ def _no_gradient(*tensors) -> bool:
     """Whether no gradient can flow from SDPA's output to these inputs (no_grad, inference mode, or
     no input that requires one; no forward-mode AD), and they are plain ``tpu`` tensors (not a
     tracer's: ``torch.compile`` traces the fused op, which autograd records)."""
-    if forward_ad._current_level >= 0:  # (inside ``forward_ad.dual_level()``: inputs may carry tangents)
-        return False
     grad = torch.is_grad_enabled()
-    return all(t is None or type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
+    return all(t is None or type(t) is torch.Tensor and not (grad and t.requires_grad)
+               and forward_ad.unpack_dual(t).tangent is None for t in tensors)
 
 
 def _fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
