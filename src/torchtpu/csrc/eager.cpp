@@ -186,6 +186,7 @@ class NativeOp final : public c10::OperatorKernel {
   // calls left to Python, by why: another mode/capture, a checked argument, an argument the walk
   // cannot take, a key given up on, a first call (learning)
   int64_t left_[5] = {};
+  int64_t laid_out_in_python_ = 0;  // native calls whose laid-out outputs took the Python wrap
 };
 
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -970,6 +971,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     return;
   }
   if (layouts != nullptr) {  // the ones bridge.wrap_in_memory_order reshapes: wrapped in Python
+    self.laid_out_in_python_++;
     PyObject* wrapped = PyObject_CallFunctionObjArgs(g.wrap_laid_out, out, py::int_(device).ptr(), layouts, nullptr);
     Py_DECREF(out);
     if (wrapped == nullptr) throw py::error_already_set();
@@ -1140,7 +1142,7 @@ py::dict native_eager_stats() {
   py::dict stats;
   for (NativeOp* op : registered_ops()) {
     stats[op->name_] = py::make_tuple(op->native_calls_, op->table_.size(), op->left_[0], op->left_[1],
-                                      op->left_[2], op->left_[3], op->left_[4]);
+                                      op->left_[2], op->left_[3], op->left_[4], op->laid_out_in_python_);
   }
   return stats;
 }

@@ -208,5 +208,6 @@ def budget_read() -> tuple[int, dict[str, float]]:
 def stats() -> dict:
     """{op name: (calls run natively, call signatures known, calls left to Python because of: the
     mode or a capture, an argument PyTorch's checks look at, an argument the native walk does not
-    take, a signature given up on, learning a signature)}."""
+    take, a signature given up on, learning a signature; then, of the native calls, those whose
+    laid-out outputs took the Python wrap (``dispatch.wrap_laid_out``: the arrays it reshapes))}."""
     return dict(_module.native_eager_stats()) if _module is not None else {}
