@@ -78,6 +78,28 @@ def test_synchronize_streams_events():
     assert_close(z.cpu(), x.cpu() * 2 + 1)
 
 
+def test_synchronize_waits_for_work_whose_outputs_were_freed():
+    """As ``torch.cuda.synchronize``: everything launched on the device has run when it returns,
+    also ops whose results were dropped at once (no array is left to wait on)."""
+    import time
+
+    a = torch.randn(1024, 1024, device="tpu")
+    torch.mm(a, a).cpu()  # compiled
+    alone = []
+    for _ in range(2):
+        start = time.perf_counter()
+        torch.mm(a, a).cpu()
+        alone.append(time.perf_counter() - start)
+    torch.tpu.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        torch.mm(a, a)  # (its result freed at once)
+    torch.tpu.synchronize()
+    waited = time.perf_counter() - start
+    # three matmuls ran: at least one alone's time (a sync that returned at once took < 1 ms)
+    assert waited >= 0.9 * min(alone), (waited, alone)
+
+
 def test_tpu_stream_is_a_torch_stream_and_record_stream_works():
     s = torch.tpu.Stream(priority=-1)
     assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0) and s.priority == -1

@@ -8,10 +8,12 @@ must run before a wait means anything: they register it with ``before_synchroniz
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from torchtpu.runtime import memory, platform, state
@@ -25,12 +27,17 @@ def before_synchronize(callback: Callable[[], None]) -> None:
 
 
 def synchronize(device: Any = None) -> None:
-    """Wait until all work queued on the device (or on all devices) has finished."""
+    """Wait until all work queued on the device (or on all devices) has finished: a program that
+    does nothing, launched on each device, has run (XLA runs a device's programs in launch order,
+    so this covers work whose outputs were freed already, which no array is left to wait on), and
+    every live array is ready (transfers too)."""
     state.start()
     for callback in _before_synchronize:
         callback()
     index = None if device is None else state.device_index(device)
     target = None if index is None else platform.jax_device(index)
+    for each in [target] if target is not None else [platform.jax_device(i) for i in range(platform.device_count())]:
+        _barrier(each)().block_until_ready()
     arrays = jax.live_arrays(platform.platform())
     if target is not None and platform.device_count() > 1:
         arrays = [a for a in arrays if target in a.devices()]
@@ -43,6 +50,12 @@ def synchronize(device: Any = None) -> None:
             except RuntimeError:
                 continue
     memory.record_peak()
+
+
+@functools.lru_cache(maxsize=None)  # (keyed by jax's device object: a restarted runtime has new ones)
+def _barrier(device) -> Callable[[], jax.Array]:
+    """A program with no inputs and one byte of output, placed on ``device``."""
+    return jax.jit(lambda: jnp.zeros((), jnp.int8), out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 class Stream(torch.Stream):
