@@ -15,7 +15,9 @@ math path, 20x slower for a decode step's attention over 1,024 keys):
 
 Autograd records the fused op (PyTorch's formula calls its ``_backward``), so eager, fused and
 compiled execution (aot_autograd traces through this kernel) all run the same two lowerings.
-``torch._fused_sdp_choice`` on ``tpu`` answers with the same choice.
+``torch._fused_sdp_choice`` on ``tpu`` answers with the same choice. A call without dropout that
+no gradient can flow through (no_grad, inference mode: serving) runs the fused op's lowering for
+its output alone (``_OutputOnly``).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class _OutputOnly(Lowering):
     """The fused op's lowering (or its platform override) for a call without dropout that no
     gradient flows through: its attention output alone. One program that draws no random key and
     returns one array, where the op's kernel draws a key and wraps four outputs (logsumexp and the
-    dropout seeds, for the backward), about 4x the host time of a decode step's attention."""
+    dropout seeds, for the backward): a decode step's attention took 190 us of host time, 135 so."""
 
     def impl(self, platform: str | None = None):
         full = registry.LOWERINGS[self.op].impl(platform)
