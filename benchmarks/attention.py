@@ -1,6 +1,7 @@
 """Fused SDPA on tpu: time and peak memory of forward+backward, materialising vs blockwise vs torch CPU.
 
     python benchmarks/attention.py [--seqs 1024 4096 8192 16384] [--repeats 3] [--time-materialising-up-to 4096]
+                                   [--decode-keys 40 1024] [--decode-only]
 
 Causal self-attention, batch 1, 8 heads, head dim 64, float32. For each sequence length:
 
@@ -12,6 +13,12 @@ Causal self-attention, batch 1, 8 heads, head dim 64, float32. For each sequence
   jitted forward+backward program: the materialising lowering (``reference_attention`` and its
   ``jax.vjp``: the attention lowering before the blockwise one) and the blockwise forward and
   backward lowerings. Inputs and outputs (4 MiB each at 16k) are not counted.
+
+Then a decode step's attention as generation runs it (``--decode-keys``; ``--decode-only`` skips the
+table above): under ``torch.no_grad``, one query of 8 heads (a transposed ``[B, T, H, D]`` view, as
+Transformers makes it) over 4 KV heads of head dim 32, microseconds per call (loops of 200 calls,
+each read at the end, taken in turns): SDPA on tpu (no backward: the fused lowering's output alone),
+the fused op that SDPA on tpu dispatches where a backward may follow, and torch's CPU SDPA.
 
 The materialising path is timed only up to ``--time-materialising-up-to`` (its L×L buffers are
 2 GiB per score-sized array at 8k on 8 heads); its memory is analysed at every length.
@@ -105,19 +112,68 @@ def _line(row: dict) -> str:
             f"{row['blk_mib']:.1f} | {row['blk_mib'] / row['mat_mib']:.4f} |")
 
 
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, DECODE_CALLS = 8, 4, 32, 200
+
+
+def decode(keys: list[int], repeats: int) -> list[dict]:
+    """The decode-step rows: {keys, us per call of each path}."""
+    fused_op = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
+    rows = []
+    for s in keys:
+        gen = torch.Generator().manual_seed(s)
+        q = torch.randn(1, 1, DECODE_HEADS, DECODE_DIM, generator=gen).transpose(1, 2)
+        k, v = (torch.randn(1, DECODE_KV_HEADS, s, DECODE_DIM, generator=gen) for _ in range(2))
+        dq, dk, dv = (t.to("tpu") for t in (q, k, v))
+        paths = {
+            "output": lambda: F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True),
+            "fused op": lambda: fused_op(dq, dk, dv, None, 0.0, False, False)[0],
+            "cpu": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        }
+        times = {name: [] for name in paths}
+        with torch.no_grad():
+            for name, fn in paths.items():  # compiled, and the same answer
+                torch.testing.assert_close(fn().cpu(), paths["cpu"](), atol=1e-5, rtol=1e-4)
+            for _ in range(repeats):
+                for name, fn in paths.items():
+                    start = time.perf_counter()
+                    for _ in range(DECODE_CALLS):
+                        out = fn()
+                    out.cpu()
+                    times[name].append((time.perf_counter() - start) / DECODE_CALLS * 1e6)
+        rows.append({"keys": s, **{name: statistics.median(t) for name, t in times.items()}})
+    return rows
+
+
+DECODE_HEADER = ("| keys | tpu SDPA, no backward (us) | tpu fused op (us) | torch CPU SDPA (us) | fused op / no backward "
+                 "| no backward / CPU |\n| ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+def _decode_line(row: dict) -> str:
+    return (f"| {row['keys']} | {row['output']:.1f} | {row['fused op']:.1f} | {row['cpu']:.1f} | "
+            f"{row['fused op'] / row['output']:.2f}x | {row['output'] / row['cpu']:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--time-materialising-up-to", type=int, default=4096)
+    p.add_argument("--decode-keys", type=int, nargs="+", default=[40, 1024])
+    p.add_argument("--decode-only", action="store_true", help="only the decode-step table")
     args = p.parse_args(argv)
     torch.zeros(1, device="tpu")  # starts the runtime (and JAX's x64 mode) before the analyses
-    print(f"causal SDPA forward+backward, batch 1, {HEADS} heads, head dim {DIM}, float32; "
-          f"median of {args.repeats}; blocks: one up to {attention.SINGLE_BLOCK}, else "
-          f"{attention.BLOCK_Q}x{attention.BLOCK_K}")
-    print(HEADER)
-    run(args.seqs, args.repeats, args.time_materialising_up_to)
-    print("targets: 8k blockwise temp <= 1/4 of materialising; 1k blockwise speed >= 0.9x materialising")
+    if not args.decode_only:
+        print(f"causal SDPA forward+backward, batch 1, {HEADS} heads, head dim {DIM}, float32; "
+              f"median of {args.repeats}; blocks: one up to {attention.SINGLE_BLOCK}, else "
+              f"{attention.BLOCK_Q}x{attention.BLOCK_K}")
+        print(HEADER)
+        run(args.seqs, args.repeats, args.time_materialising_up_to)
+        print("targets: 8k blockwise temp <= 1/4 of materialising; 1k blockwise speed >= 0.9x materialising")
+    print(f"\ndecode step under no_grad: 1 query, {DECODE_HEADS} heads over {DECODE_KV_HEADS} KV heads, head dim "
+          f"{DECODE_DIM}, float32; median of {args.repeats} loops of {DECODE_CALLS} calls, in turns")
+    print(DECODE_HEADER)
+    for row in decode(args.decode_keys, args.repeats):
+        print(_decode_line(row))
 
 
 if __name__ == "__main__":

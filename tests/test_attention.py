@@ -218,10 +218,10 @@ def test_sdpa_without_autograd_takes_the_fused_op(grad_mode):
                                                  scale=0.3, enable_gqa=True).cpu()
         return out, {e.name for e in prof.events()}, metrics.ops[fused] - before
 
-    for _ in range(2):
+    for call in range(2):
         out, ops, runs = run("tpu")
         assert runs == 1 and "aten::_scaled_dot_product_attention_math" not in ops
-        assert "aten::_scaled_dot_product_fused_attention_overrideable" not in ops or _ == 0  # (its meta: the first)
+        assert "aten::_scaled_dot_product_fused_attention_overrideable" not in ops or call == 0  # (its meta: the first)
         torch.testing.assert_close(out, run("cpu")[0], atol=1e-5, rtol=1e-4)
     math, ops, runs = run("tpu", [SDPBackend.MATH])  # and the choice still follows sdpa_kernel
     assert runs == 0 and "aten::_scaled_dot_product_attention_math" in ops

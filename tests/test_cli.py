@@ -168,6 +168,20 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
         assert overhead == pytest.approx(tpu_us - jax_us, abs=0.15 + 1e-9)  # (three values rounded to 0.1)
 
 
+def test_attention_benchmark_decode_table(capsys):
+    """benchmarks/attention.py's decode-step table (no-backward SDPA, the fused op, the CPU) runs,
+    checks the paths agree, and its ratio columns follow from its times."""
+    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--decode-only", "--decode-keys", "8", "--repeats", "1"])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 |")]
+    output_us, fused_us, cpu_us, fused_ratio, cpu_ratio = (float(c.strip().rstrip("x")) for c in row.split("|")[2:7])
+    assert min(output_us, fused_us, cpu_us) > 0
+    assert fused_ratio == pytest.approx(fused_us / output_us, rel=0.05, abs=0.01)
+    assert cpu_ratio == pytest.approx(output_us / cpu_us, rel=0.05, abs=0.01)
+
+
 def test_dispatch_floor_benchmark_prints_table(capsys):
     """benchmarks/dispatch_floor.py reaches jaxlib's executables (internals): it still runs."""
     spec = importlib.util.spec_from_file_location("dispatch_floor", ROOT / "benchmarks" / "dispatch_floor.py")

@@ -123,7 +123,8 @@ class _OutputOnly(Lowering):
     """The fused op's lowering (or its platform override) for a call without dropout that no
     gradient flows through: its attention output alone. One program that draws no random key and
     returns one array, where the op's kernel draws a key and wraps four outputs (logsumexp and the
-    dropout seeds, for the backward): a decode step's attention took 190 us of host time, 135 so."""
+    dropout seeds, for the backward): a decode step's attention (40 keys) took 165 us a call through
+    the op alone, 126 so (``benchmarks/attention.py --decode-only``)."""
 
     def impl(self, platform: str | None = None):
         full = registry.LOWERINGS[self.op].impl(platform)
