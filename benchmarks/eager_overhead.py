@@ -3,7 +3,11 @@
     python benchmarks/eager_overhead.py [--repeats 7] [--iters 200] [--mode MODE] [--update-docs]
 
 Each op runs ``iters`` times in a loop (after a warm-up loop that compiles it); the tpu loop ends
-with ``torch.tpu.synchronize()`` so queued work is counted. The table shows the median over
+with ``torch.tpu.synchronize()`` so queued work is counted. Each timed loop follows
+an untimed one of the same call lasting at least ``SETTLE_S``: PyTorch's OpenMP threads keep
+spinning for a while after a parallel op (a 256x256 matmul), and on a 2-core machine they took
+the core of whichever loop came next (the tpu matmul right after the CPU's read 25-30 us slower
+than the same loop placed elsewhere). The table shows the median over
 ``repeats`` loops. tpu is timed twice: through the native eager kernel (``csrc/eager.cpp``, the
 default) and with it switched off (every call through its Python kernel, the reference path).
 Another column times the same computation as a bare ``jax.jit`` call on the same device: the
@@ -105,15 +109,30 @@ def _loop(fn: Callable, where: str, iters: int) -> float:
 PLACES = ("cpu", "tpu", "tpu python", "jax")
 
 
+SETTLE_S = 0.005  # the untimed loop before each timed one
+
+
+def _settle(fn: Callable, where: str) -> None:
+    """Call ``fn`` for at least SETTLE_S, untimed: the previous place's threads stop spinning and
+    this place's are awake, as in a busy program."""
+    end = time.perf_counter() + SETTLE_S
+    while True:
+        result = fn()
+        if time.perf_counter() >= end:
+            break
+    _sync(where, result)
+
+
 def _timed(where: str, fn: Callable, iters: int) -> float:
-    """``_loop``; "tpu python" runs with the native eager kernel switched off."""
-    if where != "tpu python":
-        return _loop(fn, where, iters)
-    native_kernels.set_enabled(False)
+    """``_loop`` after ``_settle``; "tpu python" runs with the native eager kernel switched off."""
+    if where == "tpu python":
+        native_kernels.set_enabled(False)
     try:
+        _settle(fn, where)
         return _loop(fn, where, iters)
     finally:
-        native_kernels.set_enabled(True)
+        if where == "tpu python":
+            native_kernels.set_enabled(True)
 
 
 def budget_case(fn: Callable, iters: int) -> dict[str, float] | None:
