@@ -7,13 +7,16 @@ busy spell on a shared machine hits them all alike):
 - ``tpu eager``: the default dynamic cache, every op eager on ``tpu`` (the common ops through the
   native eager kernel, ``csrc/eager.cpp``);
 - ``tpu eager python``: the same with the native kernel switched off (every op's Python kernel);
+- ``tpu fused``: the same in ``DEFER_AND_FUSE`` (ops recorded, natively where the call is known,
+  and run as one program per read: Transformers reads the stopping criteria each token);
 - ``tpu static+compile``: ``cache_implementation="static"``; Transformers compiles the decode
   step itself, with the ``"tpu"`` backend;
 - ``cpu eager``: PyTorch on the CPU, dynamic cache;
 - ``cpu static+inductor``: static cache, decode step compiled by Inductor.
 
 Decode tokens/s = batch x (new - 1) / (time of ``new`` tokens - time of 1 token), medians, so
-the prefill is left out. The ratio column compares each row with ``cpu static+inductor``.
+the prefill is left out. The ratio columns compare each row with ``cpu static+inductor`` and
+with ``cpu eager``.
 
     python benchmarks/hf_generate.py [--new 32] [--prompt 16] [--rounds 5] [--batches 1 8]
 """
@@ -29,8 +32,9 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 from torchtpu.eager import native_kernels
 
-ROWS = ["tpu eager", "tpu eager python", "tpu static+compile", "cpu eager", "cpu static+inductor"]
+ROWS = ["tpu eager", "tpu eager python", "tpu fused", "tpu static+compile", "cpu eager", "cpu static+inductor"]
 REFERENCE = "cpu static+inductor"
+EAGER = "cpu eager"
 
 
 def build(device: str) -> LlamaForCausalLM:
@@ -57,6 +61,12 @@ def generate_fn(row: str, models: dict):
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
         return out.cpu()  # waits for the device
+
+    if row == "tpu fused":
+        def run_fused(ids: torch.Tensor, new: int) -> torch.Tensor:
+            with torch.tpu.set_eager_mode("defer_and_fuse"):
+                return run(ids, new)
+        return run_fused
 
     if row != "tpu eager python":
         return run
@@ -109,12 +119,15 @@ def main() -> None:
     print(f"tpu backed by {torch.tpu.get_device_name()}; torch CPU threads {torch.get_num_threads()}")
     results = {batch: measure(batch, args, models) for batch in args.batches}
     print(f"\n| row | {' | '.join(f'batch {b} tok/s' for b in args.batches)} | "
-          f"{' | '.join(f'batch {b} vs inductor' for b in args.batches)} |")
-    print("| --- |" + " ---: |" * (2 * len(args.batches)))
+          f"{' | '.join(f'batch {b} vs inductor' for b in args.batches)} | "
+          f"{' | '.join(f'batch {b} vs cpu eager' for b in args.batches)} |")
+    print("| --- |" + " ---: |" * (3 * len(args.batches)))
     for row in ROWS:
         rates = [results[b][row] for b in args.batches]
         ratios = [results[b][row] / results[b][REFERENCE] for b in args.batches]
-        print(f"| {row} | {' | '.join(f'{r:.0f}' for r in rates)} | {' | '.join(f'{r:.2f}x' for r in ratios)} |")
+        eager = [results[b][row] / results[b][EAGER] for b in args.batches]
+        print(f"| {row} | {' | '.join(f'{r:.0f}' for r in rates)} | {' | '.join(f'{r:.2f}x' for r in ratios)} | "
+              f"{' | '.join(f'{r:.2f}x' for r in eager)} |")
 
 
 if __name__ == "__main__":

@@ -287,15 +287,105 @@ def test_errors_are_pytorch_errors_naming_the_op():
         torch.ones(2, 3, device="tpu") @ torch.ones(4, 5, device="tpu")
 
 
-def test_other_modes_and_capture_take_the_python_kernels():
+def _recorded(name: str) -> int:
+    return nk.stats().get(name, (0,) * 9)[8]
+
+
+def test_other_modes_and_capture_run_nothing_at_once():
+    """DEFER_AND_FUSE records (natively, once the call is known), a capture and launch-blocking
+    take the Python kernels: none of them runs a call at once through the native kernel."""
     x = torch.randn(4, 4, device="tpu")
     x + x
-    before = _calls("aten.add.Tensor")
+    before = _calls("aten.add.Tensor"), _recorded("aten.add.Tensor")
     with torch.tpu.set_eager_mode("defer_and_fuse"):
         y = x + x
         z = y + x
-    assert _calls("aten.add.Tensor") == before  # recorded by the fused executor, not run at once
+    assert _calls("aten.add.Tensor") == before[0]  # recorded by the fused executor, not run at once
+    assert _recorded("aten.add.Tensor") == before[1] + 2
     torch.testing.assert_close(z.cpu(), 3 * x.cpu())
+    before = _calls("aten.add.Tensor"), _recorded("aten.add.Tensor")
+    with torch.tpu.set_eager_mode("defer_never_and_launch_blocking"):
+        w = x + x
+    graph = torch.tpu.TPUGraph()
+    with torch.tpu.graph(graph):
+        v = x + x
+    graph.replay()
+    assert (_calls("aten.add.Tensor"), _recorded("aten.add.Tensor")) == before
+    torch.testing.assert_close(w.cpu(), 2 * x.cpu())
+    torch.testing.assert_close(v.cpu(), 2 * x.cpu())
+
+
+def test_fused_mode_records_known_calls_natively():
+    """In DEFER_AND_FUSE the native kernel records a known call (the executor's ``call``, as the
+    Python kernel does): results as PyTorch's CPU ones through views of pending values, lists,
+    laid-out outputs, index-checked ops (a bad index still raises at the read) and reductions; an
+    in-place call keeps the Python kernel; one program per read."""
+    from torchtpu.device import bridge
+    from torchtpu.eager import fused
+
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 8), torch.randn(8, 6)
+    w, idx = torch.randn(10, 8), torch.tensor([1, 9, 0])
+
+    def program(a, b, w, idx):
+        h = a * 2 + b.t()  # a view (transposed) of an input
+        g = torch.relu(h) @ b  # mm
+        c = torch.cat([g, g.t() * 0.5], dim=0)  # a list; the transposed view of a pending value
+        e = torch.nn.functional.embedding(idx, w)  # index-checked
+        s = c.sum(dim=1, keepdim=True) + e.mean()
+        t = (h.t() * 3)[1:5]  # laid-out output of a pending value, then a slice of it
+        h.add_(1)  # in place: the Python kernel, in this mode too
+        return s, t, h
+
+    expected = program(a, b, w, idx)
+    at, bt, wt, it = (v.to("tpu") for v in (a, b, w, idx))
+    program(at, bt, wt, it)  # (learnt at once)
+    for _ in range(2):
+        before = {n: (_calls(n), _recorded(n)) for n in ("aten.mul.Tensor", "aten.mm.default", "aten.cat.default",
+                                                          "aten.embedding.default", "aten.add_.Tensor")}
+        runs = fused.stats()["program_cache_hits"] + fused.stats()["programs_compiled"]
+        with torch.tpu.set_eager_mode("defer_and_fuse"):
+            got = program(at, bt, wt, it)
+            assert all(type(bridge.array_of(v.untyped_storage())) is fused.Deferred for v in got)
+            values = [v.cpu() for v in got]
+        for v, e in zip(values, expected):
+            torch.testing.assert_close(v, e, rtol=1e-5, atol=1e-5)
+        after = {n: (_calls(n), _recorded(n)) for n in before}
+        assert after["aten.add_.Tensor"][1] == before["aten.add_.Tensor"][1]  # in place: Python
+        for n in ("aten.mul.Tensor", "aten.mm.default", "aten.cat.default", "aten.embedding.default"):
+            assert after[n][0] == before[n][0] and after[n][1] > before[n][1], (n, before[n], after[n])
+        assert fused.stats()["program_cache_hits"] + fused.stats()["programs_compiled"] - runs <= 3  # (a read each)
+    bad = torch.tensor([1, 12], device="tpu")
+    with torch.tpu.set_eager_mode("defer_and_fuse"):
+        for _ in range(2):
+            out = torch.nn.functional.embedding(bad, wt)
+            with pytest.raises(IndexError, match="index out of range"):
+                out.cpu()
+        with pytest.raises(RuntimeError):  # a known op's error: PyTorch's, from the Python kernel
+            at @ at
+    assert torch.equal(a.to("tpu").cpu(), a)
+
+
+def test_fused_mode_reads_another_threads_pending_values():
+    """A value another thread's executor has pending is computed by that executor when this
+    thread's native recording reads it (``FusedExecutor.call`` materialises it)."""
+    x = torch.randn(5, 5, device="tpu")
+    x * 2 + x  # (learnt)
+    pending = {}
+
+    def other():
+        with torch.tpu.set_eager_mode("defer_and_fuse"):
+            pending["y"] = x * 2 + x
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    with torch.tpu.set_eager_mode("defer_and_fuse"):
+        before = _recorded("aten.mul.Tensor")
+        z = pending["y"] * 2 + x
+        assert _recorded("aten.mul.Tensor") == before + 1
+        got = z.cpu()
+    torch.testing.assert_close(got, (x.cpu() * 2 + x.cpu()) * 2 + x.cpu())
 
 
 def test_a_context_that_followed_the_fused_default_runs_natively_again():

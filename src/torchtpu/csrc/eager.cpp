@@ -6,19 +6,21 @@
 //
 //   1. checks that the op may run at once: the context's eager mode is DEFER_NEVER (the shared
 //      `Execution` object of that mode, read as `runtime/execution.py`'s `current()` reads it), no
-//      graph is being captured and no profiler span is wanted;
+//      graph is being captured and no profiler span is wanted; or that it may be recorded: the
+//      mode is DEFER_AND_FUSE's plain recording (`native_kernels._recording_executor`);
 //   2. walks the boxed arguments once, building the call's key (the static arguments, and for a
 //      tensor whether it is its storage's whole array or a view of which geometry) and the list of
 //      dynamic values (storages' jax.Arrays, cached device scalars), as eager/dispatch.py's `Call`;
 //   3. finds the key's jitted program in its own table, calls it through CPython's vectorcall (JAX's
-//      C++ fast path then checks shapes and dtypes and launches), and
-//   4. wraps each output array as a new `tpu` tensor: a StorageImpl with a fresh fake address
-//      whose Python object holds the array (`storage._jax`, what device/bridge.py reads).
+//      C++ fast path then checks shapes and dtypes and launches), or, recording, hands it with its
+//      dynamic values to the executor's `call` (eager/fused.py: a node, Deferred outputs), and
+//   4. wraps each output array (or Deferred) as a new `tpu` tensor: a StorageImpl with a fresh
+//      fake address whose Python object holds it (`storage._jax`, what device/bridge.py reads).
 //
 // Everything else takes the Python kernel, registered on the PrivateUse2 key for these ops and
-// reached by redispatching there: a first call, any other mode, capture, a tensor without a
-// computed array (deferred, lazy bits, another dtype), a CPU tensor other than a 0-d scalar, an
-// argument the key cannot hold, an error. The Python path stays the reference: the table is filled
+// reached by redispatching there: a first call, any other mode, capture, an in-place call being
+// recorded, a tensor without a computed array (deferred outside DEFER_AND_FUSE, lazy bits,
+// another dtype), a CPU tensor other than a 0-d scalar, an argument the key cannot hold, an error. The Python path stays the reference: the table is filled
 // by *learning* from it. On a key's first call the Python kernel runs (its result is the call's
 // result) and reports the program and dynamic values it used (`Kernel.last`); when they are the
 // very objects this walk produced, the program is recorded for the key. A call of the same key
@@ -94,6 +96,10 @@ struct Globals {
   PyObject* write_back = nullptr;        // native_kernels.write_back(target, value, name)
   PyObject* wrap_laid_out = nullptr;     // dispatch.wrap_laid_out(out, device, layouts)
   PyObject* defer_check = nullptr;       // ops/checks.py's defer(code, blocking)
+  PyObject* deferred_type = nullptr;     // eager/fused.py's Deferred (a DEFER_AND_FUSE graph's value)
+  PyObject* recording_executor = nullptr;  // native_kernels._recording_executor(): the FusedExecutor
+                                           // this context records into, or None
+  PyObject* s_call = nullptr;            // "call"
   PyObject* s_fn = nullptr;
   PyObject* s_layouts = nullptr;
   PyObject* s_jax = nullptr;             // "_jax"
@@ -182,11 +188,12 @@ class NativeOp final : public c10::OperatorKernel {
   bool inplace_;                  // op_(self, ...): the functional program's result written into self
   bool checked_;                  // its programs return the device-side index checks' code last
   std::unordered_map<std::vector<int64_t>, Entry, KeyHash> table_;
-  int64_t native_calls_ = 0;
+  int64_t native_calls_ = 0;  // calls run natively (at once)
   // calls left to Python, by why: another mode/capture, a checked argument, an argument the walk
   // cannot take, a key given up on, a first call (learning)
   int64_t left_[5] = {};
   int64_t laid_out_in_python_ = 0;  // native calls whose laid-out outputs took the Python wrap
+  int64_t recorded_ = 0;            // calls recorded natively into a DEFER_AND_FUSE graph
 };
 
 void to_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -243,6 +250,27 @@ bool at_once() {
     }
   }
   return module_global(g.execution_globals, g.s_default) == g.never;
+}
+
+// The DEFER_AND_FUSE executor a call in this context records into (a new reference), or null: the
+// context's mode is DEFER_AND_FUSE's plain recording (not a capture's, nothing capturing or
+// tracing), as native_kernels._recording_executor finds it.
+PyObject* recording_executor() {
+  Globals& g = G();
+  if (g.recording_executor == nullptr || g.deferred_type == nullptr) return nullptr;
+  PyObject* capturing = module_global(g.bridge_globals, g.s_capturing);
+  if (capturing == nullptr || PyObject_IsTrue(capturing)) return nullptr;
+  if (module_global(g.modes_globals, g.s_tracing) != Py_False) return nullptr;
+  PyObject* executor = PyObject_CallNoArgs(g.recording_executor);
+  if (executor == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  if (executor == Py_None) {
+    Py_DECREF(executor);
+    return nullptr;
+  }
+  return executor;
 }
 
 // A cached device scalar for (tag, bits); `make` builds it on a miss. New reference or null.
@@ -374,7 +402,7 @@ bool static_key(const c10::IValue& v, std::vector<int64_t>& key) {
 }
 
 // Reads a tensor argument: appends its key entry and dynamic values; false: leave the call to Python.
-bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, DynList& dyn) {
+bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, DynList& dyn, bool recording) {
   Globals& g = G();
   if (!t.defined()) {
     key.push_back(tNone);
@@ -410,8 +438,9 @@ bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, Dyn
     PyErr_Clear();
     return false;
   }
-  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type)) {  // none yet, or deferred
-    Py_DECREF(array);
+  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type) &&
+      !(recording && Py_TYPE(array) == reinterpret_cast<PyTypeObject*>(g.deferred_type))) {
+    Py_DECREF(array);  // none yet, lazy bits, or a deferred value outside DEFER_AND_FUSE
     return false;
   }
   dyn.push(array);
@@ -510,7 +539,8 @@ bool laid_out_geometry(const std::vector<int64_t>& stored, PyObject* order, std:
 at::Tensor wrap(PyObject* array, int device, PyObject* order = nullptr, bool* python = nullptr) {
   Globals& g = G();
   if (array == Py_None) return at::Tensor();
-  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type)) {
+  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type) &&
+      Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.deferred_type)) {
     PyErr_SetString(PyExc_TypeError, "tpu: a native eager program returned something other than an array");
     return at::Tensor();
   }
@@ -678,7 +708,7 @@ void count_op(NativeOp& self) {
 // Learns a key from the Python kernel's run of this call: records its program when it used exactly
 // this walk's dynamic values.
 void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack, std::vector<int64_t>&& key,
-           const DynList& dyn) {
+           const DynList& dyn, bool recording) {
   Globals& g = G();
   PyObject* kernel = self.kernel_.ptr();
   if (PyObject_SetAttr(kernel, g.s_learn, Py_True) < 0) PyErr_Clear();
@@ -721,6 +751,9 @@ void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* sta
     entry.fn = fn;  // (the reference taken above)
     entry.layouts = layouts;
     entry.misses = 0;
+  } else if (!match && recording) {
+    // (the Python kernel read a value otherwise in DEFER_AND_FUSE, e.g. another context's pending
+    // one, which it computes first: not a reason to give the key up; a later call learns it)
   } else if (!match) {
     entry.misses++;
     // A common cause: the Python side's bounded scalar cache (dispatch._scalar) evicted a number
@@ -771,11 +804,19 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   if (!g.enabled) return to_python(op, stack);
   Stamps stamps(g.budget_on);
   py::gil_scoped_acquire gil;
+  // In DEFER_AND_FUSE a known call is recorded here (the executor's `call`, as modes.execute does
+  // it) rather than run; an in-place one keeps the Python kernel.
+  py::object executor;
   if (!at_once()) {
-    self.left_[0]++;
-    py::gil_scoped_release release;
-    return to_python(op, stack);
+    PyObject* found = self.inplace_ ? nullptr : recording_executor();
+    if (found == nullptr) {
+      self.left_[0]++;
+      py::gil_scoped_release release;
+      return to_python(op, stack);
+    }
+    executor = py::reinterpret_steal<py::object>(found);
   }
+  bool recording = static_cast<bool>(executor);
   const auto& schema = op.schema();
   size_t nargs = schema.arguments().size();
   auto args = torch::jit::last(*stack, nargs);
@@ -841,7 +882,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
         if (v.isNone()) {
           key.push_back(tNone);
         } else if (v.isTensor()) {
-          ok = tensor_arg(v.toTensor(), device, key, dyn);
+          ok = tensor_arg(v.toTensor(), device, key, dyn, recording);
         } else {
           ok = static_key(v, key);  // (an untyped slot's value)
         }
@@ -851,7 +892,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
           auto list = v.toTensorList();
           key.push_back(tList);
           key.push_back(static_cast<int64_t>(list.size()));
-          for (size_t j = 0; ok && j < list.size(); j++) ok = tensor_arg(list.get(j), device, key, dyn);
+          for (size_t j = 0; ok && j < list.size(); j++) ok = tensor_arg(list.get(j), device, key, dyn, recording);
         } else {
           ok = false;
         }
@@ -860,7 +901,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
         if (v.isNone()) {
           key.push_back(tNone);
         } else if (v.isTensor()) {
-          ok = tensor_arg(v.toTensor(), device, key, dyn);
+          ok = tensor_arg(v.toTensor(), device, key, dyn, recording);
         } else {
           PyObject* s = number_scalar(v);
           ok = s != nullptr;
@@ -917,10 +958,20 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
       return to_python(op, stack);
     }
     self.left_[4]++;
-    return learn(self, op, stack, std::vector<int64_t>(key), dyn);
+    return learn(self, op, stack, std::vector<int64_t>(key), dyn, recording);
   }
   stamps.mark(2);
-  PyObject* out = PyObject_Vectorcall(found->second.fn, dyn.items.data(), dyn.items.size(), nullptr);
+  PyObject* out;
+  if (recording) {  // executor.call(fn, *dyn): a node of the graph, its outputs Deferred values
+    thread_local std::vector<PyObject*> argv;
+    argv.clear();
+    argv.push_back(executor.ptr());
+    argv.push_back(found->second.fn);
+    argv.insert(argv.end(), dyn.items.begin(), dyn.items.end());
+    out = PyObject_VectorcallMethod(g.s_call, argv.data(), argv.size(), nullptr);
+  } else {
+    out = PyObject_Vectorcall(found->second.fn, dyn.items.data(), dyn.items.size(), nullptr);
+  }
   stamps.mark(3);
   if (out == nullptr) {  // an error: the Python kernel runs the call again and raises it as PyTorch would
     PyErr_Clear();
@@ -953,7 +1004,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     torch::jit::drop(*stack, nargs);
     stack->emplace_back(std::move(target));
     stamps.mark(4);
-    self.native_calls_++;
+    (recording ? self.recorded_ : self.native_calls_)++;
     count_op(self);
     stamps.done(g);
     return;
@@ -965,7 +1016,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     for (auto& t : laid_out) stack->emplace_back(std::move(t));
     Py_DECREF(out);
     stamps.mark(4);
-    self.native_calls_++;
+    (recording ? self.recorded_ : self.native_calls_)++;
     count_op(self);
     stamps.done(g);
     return;
@@ -986,7 +1037,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     }
     Py_DECREF(wrapped);
     stamps.mark(4);
-    self.native_calls_++;
+    (recording ? self.recorded_ : self.native_calls_)++;
     count_op(self);
     stamps.done(g);
     return;
@@ -996,7 +1047,7 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   Py_DECREF(out);
   if (!pushed) throw py::error_already_set();
   stamps.mark(4);
-  self.native_calls_++;
+  (recording ? self.recorded_ : self.native_calls_)++;
   count_op(self);
   stamps.done(g);
 }
@@ -1031,6 +1082,11 @@ void native_eager_setup(py::dict refs) {
   g.write_back = keep(refs["write_back"]);
   g.wrap_laid_out = keep(refs["wrap_laid_out"]);
   g.defer_check = keep(refs["defer_check"]);
+  if (refs.contains("deferred_type")) {
+    g.deferred_type = keep(refs["deferred_type"]);
+    g.recording_executor = keep(refs["recording_executor"]);
+  }
+  g.s_call = PyUnicode_InternFromString("call");
   g.s_fn = PyUnicode_InternFromString("fn");
   g.s_layouts = PyUnicode_InternFromString("layouts");
   g.s_jax = PyUnicode_InternFromString("_jax");
@@ -1142,7 +1198,8 @@ py::dict native_eager_stats() {
   py::dict stats;
   for (NativeOp* op : registered_ops()) {
     stats[op->name_] = py::make_tuple(op->native_calls_, op->table_.size(), op->left_[0], op->left_[1],
-                                      op->left_[2], op->left_[3], op->left_[4], op->laid_out_in_python_);
+                                      op->left_[2], op->left_[3], op->left_[4], op->laid_out_in_python_,
+                                      op->recorded_);
   }
   return stats;
 }

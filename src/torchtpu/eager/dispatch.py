@@ -31,6 +31,7 @@ import torch
 
 from torchtpu.device import bridge
 from torchtpu.eager import argument_errors, modes
+from torchtpu.eager.fused import Deferred
 from torchtpu.eager.views import resize
 from torchtpu.ops import checks, precision
 from torchtpu.ops.registry import Lowering
@@ -297,14 +298,17 @@ def _read_into(t: torch.Tensor, dyn: list):
     """Append what the jitted program needs to read ``t`` to ``dyn``; returns its key entry.
 
     The storage's array itself when ``t`` is all of it (DYN), else the array and ``t``'s offset
-    with the view's geometry (a ``_View``, read inside the program). Everything else takes
-    ``bridge.read``: storages holding no computed array (none yet, or a fused-eager deferred
-    value), lazy conjugate/negation bits, other dtypes (``view.dtype``, bytes after
-    ``torch.load``), and every read while a graph is captured (``bridge.read`` reports it).
+    with the view's geometry (a ``_View``, read inside the program); in DEFER_AND_FUSE a deferred
+    value is read so too (the program is recorded reading it, as the native kernel records it).
+    Everything else takes ``bridge.read``: storages holding no computed array (none yet, or a
+    deferred value outside DEFER_AND_FUSE), lazy conjugate/negation bits, other dtypes
+    (``view.dtype``, bytes after ``torch.load``), and every read while a graph is captured
+    (``bridge.read`` reports it).
     """
     array = getattr(t.untyped_storage(), bridge.ATTR, None)
-    if array.__class__ is ArrayImpl and array.dtype == TORCH_TO_JAX.get(t.dtype) \
-            and not (t.is_conj() or t.is_neg()) and not bridge.capturing:
+    if (array.__class__ is ArrayImpl or array.__class__ is Deferred and modes.deferring()) \
+            and array.dtype == TORCH_TO_JAX.get(t.dtype) and not (t.is_conj() or t.is_neg()) \
+            and not bridge.capturing:
         dyn.append(array)
         shape = t.shape
         if array.shape == shape and t.is_contiguous() and t.storage_offset() == 0:

@@ -3,8 +3,9 @@
 An eligible op gets two kernels: the C++ one on ``tpu``'s key (PrivateUse1), and its Python
 kernel (``eager/dispatch.py``, the reference) on PrivateUse2, which the C++ kernel redispatches to
 for whatever it does not run itself: first calls (it learns each call signature's program from
-the Python kernel's run), the DEFER_AND_FUSE and capture modes, deferred or dtype-viewed storages,
-errors. See the C++ file's header for the per-call work.
+the Python kernel's run), capture, launch-blocking, in-place calls in DEFER_AND_FUSE, dtype-viewed
+storages, errors. In DEFER_AND_FUSE a known call is recorded by the C++ kernel (the executor's
+``call``, as the Python kernel records it). See the C++ file's header for the per-call work.
 
 Eligible: a functional ``dispatch.Kernel`` (or its in-place variant) whose arguments are tensors,
 tensor lists, numbers, static values (no index lists) and a factory's ``device`` (a ``tpu`` one:
@@ -28,7 +29,7 @@ import torch
 from torchtpu import metrics
 from torchtpu.config import config
 from torchtpu.device import bridge
-from torchtpu.eager import argument_errors, dispatch, modes
+from torchtpu.eager import argument_errors, dispatch, fused, modes
 from torchtpu.ops import checks, precision
 from torchtpu.runtime import compat, execution, native
 from torchtpu.runtime.dtypes import TORCH_TO_JAX
@@ -63,11 +64,24 @@ def _setup():
         "write_back": write_back,
         "wrap_laid_out": dispatch.wrap_laid_out,
         "defer_check": checks.defer,
+        "deferred_type": fused.Deferred,
+        "recording_executor": _recording_executor,
         "dtypes": [(t, np.dtype(j)) for t, j in TORCH_TO_JAX.items()],
     })
     bridge.use_native_addresses(module.native_reserve_address, module.native_set_next_address)
     _module = module
     return module
+
+
+def _recording_executor():
+    """The executor the current context records into when its mode is DEFER_AND_FUSE's plain one
+    (a capture's recorder keeps the Python kernels), else None: where the C++ kernel records a
+    known call itself (``FusedExecutor.call``, as ``modes.execute`` does)."""
+    now = execution.current()
+    if now.mode is not modes.EagerMode.DEFER_AND_FUSE:
+        return None
+    executor = now.executor
+    return executor if type(executor) is fused.FusedExecutor else None
 
 
 def write_back(target: torch.Tensor, value, name: str) -> None:
@@ -209,5 +223,6 @@ def stats() -> dict:
     """{op name: (calls run natively, call signatures known, calls left to Python because of: the
     mode or a capture, an argument PyTorch's checks look at, an argument the native walk does not
     take, a signature given up on, learning a signature; then, of the native calls, those whose
-    laid-out outputs took the Python wrap (``dispatch.wrap_laid_out``: the arrays it reshapes))}."""
+    laid-out outputs took the Python wrap (``dispatch.wrap_laid_out``: the arrays it reshapes);
+    then the calls recorded natively into a DEFER_AND_FUSE graph (not in the first count))}."""
     return dict(_module.native_eager_stats()) if _module is not None else {}
