@@ -8,8 +8,12 @@ an untimed one of the same call lasting at least ``SETTLE_S``: PyTorch's OpenMP 
 spinning for a while after a parallel op (a 256x256 matmul), and on a 2-core machine they took
 the core of whichever loop came next (the tpu matmul right after the CPU's read 25-30 us slower
 than the same loop placed elsewhere). The table shows the median over
-``repeats`` loops. tpu is timed twice: through the native eager kernel (``csrc/eager.cpp``, the
-default) and with it switched off (every call through its Python kernel, the reference path).
+``repeats`` loops. tpu is timed three ways: through the native eager kernel (``csrc/eager.cpp``, the
+default) and with it switched off (every call through its Python kernel, the reference path);
+a last column times the loop in DEFER_AND_FUSE (each call recorded, natively once known, and the
+loop's synchronisation running them as one program): the fused mode's host cost per op. The loop
+drops every result but the last, and the fused program computes only what is still referenced,
+so that column is the recording, not the op's work (the matmul row computes one product).
 Another column times the same computation as a bare ``jax.jit`` call on the same device: the
 floor that any JAX-based eager op pays, so ``native - jax.jit`` is torchtpu's own overhead. Small
 ops measure dispatch cost; matmul adds real work.
@@ -106,7 +110,7 @@ def _loop(fn: Callable, where: str, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-PLACES = ("cpu", "tpu", "tpu python", "jax")
+PLACES = ("cpu", "tpu", "tpu python", "jax", "tpu fused")
 
 
 SETTLE_S = 0.005  # the untimed loop before each timed one
@@ -124,7 +128,14 @@ def _settle(fn: Callable, where: str) -> None:
 
 
 def _timed(where: str, fn: Callable, iters: int) -> float:
-    """``_loop`` after ``_settle``; "tpu python" runs with the native eager kernel switched off."""
+    """``_loop`` after ``_settle``; "tpu python" runs with the native eager kernel switched off,
+    "tpu fused" in DEFER_AND_FUSE (the calls recorded, the synchronisation at the loop's end runs
+    them as one program)."""
+    if where == "tpu fused":  # (each block records into a fresh executor: the settling loop's
+        with torch.tpu.set_eager_mode("defer_and_fuse"):  # length varies, and a long one would leave
+            _settle(fn, where)  # the timed loop cut where its repeats fall, a new program each time)
+        with torch.tpu.set_eager_mode("defer_and_fuse"):
+            return _loop(fn, where, iters)
     if where == "tpu python":
         native_kernels.set_enabled(False)
     try:
@@ -180,12 +191,12 @@ def _shape_note(case: Case) -> str:
 def table(rows: list[tuple[Case, dict[str, float]]]) -> str:
     """The results as a Markdown table: tpu next to torch CPU eager and to a bare jax.jit call."""
     lines = ["| op | input shapes | torch CPU eager (us) | tpu native (us) | tpu Python kernel (us) "
-             "| bare jax.jit (us) | native / CPU | Python / native | native - jax.jit (us) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| bare jax.jit (us) | native / CPU | Python / native | native - jax.jit (us) | tpu DEFER_AND_FUSE, recording (us) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for case, us in rows:
         lines.append(f"| {case.name} | {_shape_note(case)} | {us['cpu']:.1f} | {us['tpu']:.1f} "
                      f"| {us['tpu python']:.1f} | {us['jax']:.1f} | {us['tpu'] / us['cpu']:.2f}x "
-                     f"| {us['tpu python'] / us['tpu']:.2f}x | {us['tpu'] - us['jax']:.1f} |")
+                     f"| {us['tpu python'] / us['tpu']:.2f}x | {us['tpu'] - us['jax']:.1f} | {us['tpu fused']:.1f} |")
     return "\n".join(lines)
 
 

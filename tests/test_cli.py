@@ -160,9 +160,9 @@ def test_eager_overhead_benchmark_prints_table(monkeypatch, capsys):
         assert not budget
     assert [r.split("|")[1].strip() for r in rows] == ["add", "add_ (in place)"]
     for row in rows:
-        cpu_us, tpu_us, python_us, jax_us, ratio, python_ratio, overhead = (
-            float(c.strip().rstrip("x")) for c in row.split("|")[3:10])
-        assert cpu_us > 0 and tpu_us > 0 and python_us > 0 and jax_us > 0
+        cpu_us, tpu_us, python_us, jax_us, ratio, python_ratio, overhead, fused_us = (
+            float(c.strip().rstrip("x")) for c in row.split("|")[3:11])
+        assert cpu_us > 0 and tpu_us > 0 and python_us > 0 and jax_us > 0 and fused_us > 0
         assert ratio == pytest.approx(tpu_us / cpu_us, rel=0.05, abs=0.01)
         assert python_ratio == pytest.approx(python_us / tpu_us, rel=0.05, abs=0.01)
         assert overhead == pytest.approx(tpu_us - jax_us, abs=0.15 + 1e-9)  # (three values rounded to 0.1)
