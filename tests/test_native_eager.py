@@ -109,6 +109,41 @@ def test_native_equals_python_op_by_op(info):
     assert sum(v[0] for v in nk.stats().values()) >= before  # (counted; the set test checks coverage)
 
 
+@pytest.mark.parametrize("info", _OPINFOS, ids=lambda o: o.name + ("." + o.variant_test_name if o.variant_test_name else ""))
+def test_native_recording_equals_python_recording_op_by_op(info):
+    """In DEFER_AND_FUSE each sample, on inputs still pending (a recorded clone of each), recorded
+    by the native kernel once its signature is learnt gives exactly what the Python kernel's
+    recording gives: both record the same program on the same values."""
+    dtype = torch.float32 if torch.float32 in info.supported_dtypes("cpu") else next(iter(info.supported_dtypes("cpu")))
+    samples = list(info.sample_inputs("cpu", dtype, requires_grad=False))[:2]
+    compared = 0
+    recorded = sum(v[8] for v in nk.stats().values())
+    for sample in samples:
+        def call():
+            pending = sample.transform(lambda t: t.to("tpu").clone() if isinstance(t, torch.Tensor) else t)
+            out = info.op(pending.input, *pending.args, **pending.kwargs)
+            return [t.cpu() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, (tuple, list)) else [out])]
+
+        with torch.tpu.set_eager_mode("defer_and_fuse"):
+            try:
+                nk.set_enabled(False)
+                expected = call()
+            except Exception as exc:  # an error: the native path must raise the same
+                nk.set_enabled(True)
+                with pytest.raises(type(exc)):
+                    call()
+                continue
+            finally:
+                nk.set_enabled(True)
+            call()  # learns what it had not learnt at once
+            got = call()
+        assert _equal(got, expected), (info.name, sample)
+        compared += 1
+    assert compared or not samples
+    if compared:  # (at least the clones were recorded natively)
+        assert sum(v[8] for v in nk.stats().values()) > recorded
+
+
 def test_native_calls_are_counted_and_run_natively():
     x = torch.randn(8, 8, device="tpu")
     y = torch.randn(8, 8, device="tpu")
