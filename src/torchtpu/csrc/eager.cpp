@@ -18,10 +18,10 @@
 //      fake address whose Python object holds it (`storage._jax`, what device/bridge.py reads).
 //
 // Everything else takes the Python kernel, registered on the PrivateUse2 key for these ops and
-// reached by redispatching there: a first call, any other mode, capture, an in-place call being
-// recorded, a tensor without a computed array (deferred outside DEFER_AND_FUSE, lazy bits,
-// another dtype), a CPU tensor other than a 0-d scalar, an argument the key cannot hold, an error. The Python path stays the reference: the table is filled
-// by *learning* from it. On a key's first call the Python kernel runs (its result is the call's
+// reached by redispatching there: a first call, any other mode, capture, a tensor without a
+// computed array (deferred outside DEFER_AND_FUSE, lazy bits, another dtype), a CPU tensor other
+// than a 0-d scalar, an argument the key cannot hold, an error. The Python path stays the
+// reference: the table is filled by *learning* from it. On a key's first call the Python kernel runs (its result is the call's
 // result) and reports the program and dynamic values it used (`Kernel.last`); when they are the
 // very objects this walk produced, the program is recorded for the key. A call of the same key
 // then runs exactly what the Python kernel would have run. Keys that do not match are left to
@@ -658,13 +658,17 @@ bool push_outputs(const c10::OperatorHandle& op, PyObject* out, int device, torc
 // cast check). False with a Python error set on failure.
 bool write_into(const at::Tensor& target, PyObject* out, NativeOp& self) {
   Globals& g = G();
-  if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(g.array_type) && target.is_contiguous() &&
+  auto is_value = [&](PyObject* o) {  // an array, or a recorded call's Deferred (DEFER_AND_FUSE)
+    return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.array_type) ||
+           (g.deferred_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.deferred_type));
+  };
+  if (is_value(out) && target.is_contiguous() &&
       target.storage_offset() == 0 && !target.is_conj() && !target.is_neg()) {
     PyObject* storage = THPStorage_Wrap(target.storage());
     if (storage == nullptr) return false;
     PyObject* old = PyObject_GetAttr(storage, g.s_jax);
     bool simple = false;
-    if (old != nullptr && Py_TYPE(old) == reinterpret_cast<PyTypeObject*>(g.array_type)) {
+    if (old != nullptr && is_value(old)) {
       PyObject* old_dtype = PyObject_GetAttr(old, g.s_dtype);
       PyObject* new_dtype = PyObject_GetAttr(out, g.s_dtype);
       PyObject* old_shape = PyObject_GetAttr(old, g.s_shape);
@@ -805,10 +809,10 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
   Stamps stamps(g.budget_on);
   py::gil_scoped_acquire gil;
   // In DEFER_AND_FUSE a known call is recorded here (the executor's `call`, as modes.execute does
-  // it) rather than run; an in-place one keeps the Python kernel.
+  // it) rather than run; an in-place one's result is then written into its target as at once.
   py::object executor;
   if (!at_once()) {
-    PyObject* found = self.inplace_ ? nullptr : recording_executor();
+    PyObject* found = recording_executor();
     if (found == nullptr) {
       self.left_[0]++;
       py::gil_scoped_release release;
@@ -939,7 +943,8 @@ void run(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* stack
     py::gil_scoped_release release;
     return to_python(op, stack);
   }
-  if (self.inplace_) {
+  if (self.inplace_ && !recording) {  // (a recorded program donates nothing: the Python kernel's
+                                      // run_inplace does not either in DEFER_AND_FUSE)
     const at::Tensor& target = args[0].toTensor();
     bool whole = target.numel() >= kDonateFrom && target.is_contiguous() && target.storage_offset() == 0;
     if (whole && Py_REFCNT(dyn.items[0]) <= 2) {  // the storage and this walk: the Python kernel donates it

@@ -3,9 +3,9 @@
 An eligible op gets two kernels: the C++ one on ``tpu``'s key (PrivateUse1), and its Python
 kernel (``eager/dispatch.py``, the reference) on PrivateUse2, which the C++ kernel redispatches to
 for whatever it does not run itself: first calls (it learns each call signature's program from
-the Python kernel's run), capture, launch-blocking, in-place calls in DEFER_AND_FUSE, dtype-viewed
-storages, errors. In DEFER_AND_FUSE a known call is recorded by the C++ kernel (the executor's
-``call``, as the Python kernel records it). See the C++ file's header for the per-call work.
+the Python kernel's run), capture, launch-blocking, dtype-viewed storages, errors. In
+DEFER_AND_FUSE a known call is recorded by the C++ kernel (the executor's ``call``, as the Python
+kernel records it). See the C++ file's header for the per-call work.
 
 Eligible: a functional ``dispatch.Kernel`` (or its in-place variant) whose arguments are tensors,
 tensor lists, numbers, static values (no index lists) and a factory's ``device`` (a ``tpu`` one:
