@@ -21,11 +21,12 @@
 // reached by redispatching there: a first call, any other mode, capture, a tensor without a
 // computed array (deferred outside DEFER_AND_FUSE, lazy bits, another dtype), a CPU tensor other
 // than a 0-d scalar, an argument the key cannot hold, an error. The Python path stays the
-// reference: the table is filled by *learning* from it. On a key's first call the Python kernel runs (its result is the call's
-// result) and reports the program and dynamic values it used (`Kernel.last`); when they are the
-// very objects this walk produced, the program is recorded for the key. A call of the same key
-// then runs exactly what the Python kernel would have run. Keys that do not match are left to
-// Python after a few tries.
+// reference: the table is filled by *learning* from it. On a key's first call the Python kernel
+// runs (its result is the call's result) and reports the program and dynamic values it used
+// (`Kernel.last`); when they are the very objects this walk produced, the program is recorded for
+// the key. A call of the same key then runs (or records) exactly what the Python kernel would
+// have. Keys that do not match are left to Python after a few tries (tries in DEFER_AND_FUSE do
+// not count: a value another context has pending is read otherwise there).
 //
 // All of it runs holding the GIL (PyTorch's bindings release it around the dispatcher).
 
