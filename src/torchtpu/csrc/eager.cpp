@@ -25,8 +25,8 @@
 // runs (its result is the call's result) and reports the program and dynamic values it used
 // (`Kernel.last`); when they are the very objects this walk produced, the program is recorded for
 // the key. A call of the same key then runs (or records) exactly what the Python kernel would
-// have. Keys that do not match are left to Python after a few tries (tries in DEFER_AND_FUSE do
-// not count: a value another context has pending is read otherwise there).
+// have. Keys that do not match are left to Python after a few tries made at once (a try while
+// recording does not count: giving a key up would leave it to Python in every mode).
 //
 // All of it runs holding the GIL (PyTorch's bindings release it around the dispatcher).
 
@@ -757,8 +757,8 @@ void learn(NativeOp& self, const c10::OperatorHandle& op, torch::jit::Stack* sta
     entry.layouts = layouts;
     entry.misses = 0;
   } else if (!match && recording) {
-    // (the Python kernel read a value otherwise in DEFER_AND_FUSE, e.g. another context's pending
-    // one, which it computes first: not a reason to give the key up; a later call learns it)
+    // (a mismatch while recording is not counted: giving the key up would leave it to Python in
+    // every mode; a later call, recorded or at once, learns it)
   } else if (!match) {
     entry.misses++;
     // A common cause: the Python side's bounded scalar cache (dispatch._scalar) evicted a number
