@@ -76,6 +76,22 @@ _OPINFOS = [o for o in op_db if o.name.split(".")[0] in {
     "nn.functional.embedding", "cumsum", "tril", "triu", "lerp", "addcmul", "addcdiv"}]
 
 
+def _reference(call, native_calls: int):
+    """(True, ``call()`` through the Python kernels), or (False, None) where that raises, after
+    checking that each of ``native_calls`` calls with the native kernel on raises the same."""
+    nk.set_enabled(False)
+    try:
+        return True, call()
+    except Exception as exc:  # an error: the native path must raise the same
+        nk.set_enabled(True)
+        for _ in range(native_calls):
+            with pytest.raises(type(exc)):
+                call()
+        return False, None
+    finally:
+        nk.set_enabled(True)
+
+
 @pytest.mark.parametrize("info", _OPINFOS, ids=lambda o: o.name + ("." + o.variant_test_name if o.variant_test_name else ""))
 def test_native_equals_python_op_by_op(info):
     """Each sample run natively (its second call, once the signature is learned) equals the Python
@@ -90,17 +106,9 @@ def test_native_equals_python_op_by_op(info):
         def call():
             return info.op(sample.input, *sample.args, **sample.kwargs)
 
-        try:
-            nk.set_enabled(False)
-            expected = call()
-        except Exception as exc:  # an error: the native path must raise the same
-            nk.set_enabled(True)
-            with pytest.raises(type(exc)):
-                call()
-            with pytest.raises(type(exc)):
-                call()
+        ran, expected = _reference(call, native_calls=2)
+        if not ran:
             continue
-        nk.set_enabled(True)
         call()  # learns
         got = call()
         assert _equal(got, expected), (info.name, sample)
@@ -125,16 +133,9 @@ def test_native_recording_equals_python_recording_op_by_op(info):
             return [t.cpu() if isinstance(t, torch.Tensor) else t for t in (out if isinstance(out, (tuple, list)) else [out])]
 
         with torch.tpu.set_eager_mode("defer_and_fuse"):
-            try:
-                nk.set_enabled(False)
-                expected = call()
-            except Exception as exc:  # an error: the native path must raise the same
-                nk.set_enabled(True)
-                with pytest.raises(type(exc)):
-                    call()
+            ran, expected = _reference(call, native_calls=1)
+            if not ran:
                 continue
-            finally:
-                nk.set_enabled(True)
             call()  # learns what it had not learnt at once
             got = call()
         assert _equal(got, expected), (info.name, sample)
