@@ -221,12 +221,18 @@ int holds_never(PyObject* execution) {
   return verdict;
 }
 
-// Whether this context runs ops at once (DEFER_NEVER), with nothing capturing or tracing.
-bool at_once() {
+// Whether no graph is being captured and no profiler span is wanted (both take the Python kernels).
+bool untraced() {
   Globals& g = G();
   PyObject* capturing = module_global(g.bridge_globals, g.s_capturing);
   if (capturing == nullptr || PyObject_IsTrue(capturing)) return false;
-  if (module_global(g.modes_globals, g.s_tracing) != Py_False) return false;
+  return module_global(g.modes_globals, g.s_tracing) == Py_False;
+}
+
+// Whether this context runs ops at once (DEFER_NEVER), with nothing capturing or tracing.
+bool at_once() {
+  Globals& g = G();
+  if (!untraced()) return false;
   PyObject* execution = nullptr;
   if (PyContextVar_Get(g.override_var, nullptr, &execution) < 0) {
     PyErr_Clear();
@@ -258,10 +264,7 @@ bool at_once() {
 // tracing), as native_kernels._recording_executor finds it.
 PyObject* recording_executor() {
   Globals& g = G();
-  if (g.recording_executor == nullptr || g.deferred_type == nullptr) return nullptr;
-  PyObject* capturing = module_global(g.bridge_globals, g.s_capturing);
-  if (capturing == nullptr || PyObject_IsTrue(capturing)) return nullptr;
-  if (module_global(g.modes_globals, g.s_tracing) != Py_False) return nullptr;
+  if (g.recording_executor == nullptr || g.deferred_type == nullptr || !untraced()) return nullptr;
   PyObject* executor = PyObject_CallNoArgs(g.recording_executor);
   if (executor == nullptr) {
     PyErr_Clear();
@@ -402,6 +405,14 @@ bool static_key(const c10::IValue& v, std::vector<int64_t>& key) {
   return true;
 }
 
+// Whether `o` is a value a storage holds for the native kernel: a computed array, or (where
+// `deferred_ok`: recording in DEFER_AND_FUSE) a graph's Deferred.
+bool is_value(PyObject* o, bool deferred_ok) {
+  Globals& g = G();
+  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.array_type) ||
+         (deferred_ok && g.deferred_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.deferred_type));
+}
+
 // Reads a tensor argument: appends its key entry and dynamic values; false: leave the call to Python.
 bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, DynList& dyn, bool recording) {
   Globals& g = G();
@@ -439,8 +450,7 @@ bool tensor_arg(const at::Tensor& t, int& device, std::vector<int64_t>& key, Dyn
     PyErr_Clear();
     return false;
   }
-  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type) &&
-      !(recording && Py_TYPE(array) == reinterpret_cast<PyTypeObject*>(g.deferred_type))) {
+  if (!is_value(array, recording)) {
     Py_DECREF(array);  // none yet, lazy bits, or a deferred value outside DEFER_AND_FUSE
     return false;
   }
@@ -540,8 +550,7 @@ bool laid_out_geometry(const std::vector<int64_t>& stored, PyObject* order, std:
 at::Tensor wrap(PyObject* array, int device, PyObject* order = nullptr, bool* python = nullptr) {
   Globals& g = G();
   if (array == Py_None) return at::Tensor();
-  if (Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.array_type) &&
-      Py_TYPE(array) != reinterpret_cast<PyTypeObject*>(g.deferred_type)) {
+  if (!is_value(array, true)) {
     PyErr_SetString(PyExc_TypeError, "tpu: a native eager program returned something other than an array");
     return at::Tensor();
   }
@@ -659,17 +668,13 @@ bool push_outputs(const c10::OperatorHandle& op, PyObject* out, int device, torc
 // cast check). False with a Python error set on failure.
 bool write_into(const at::Tensor& target, PyObject* out, NativeOp& self) {
   Globals& g = G();
-  auto is_value = [&](PyObject* o) {  // an array, or a recorded call's Deferred (DEFER_AND_FUSE)
-    return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.array_type) ||
-           (g.deferred_type != nullptr && Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(g.deferred_type));
-  };
-  if (is_value(out) && target.is_contiguous() &&
+  if (is_value(out, true) && target.is_contiguous() &&
       target.storage_offset() == 0 && !target.is_conj() && !target.is_neg()) {
     PyObject* storage = THPStorage_Wrap(target.storage());
     if (storage == nullptr) return false;
     PyObject* old = PyObject_GetAttr(storage, g.s_jax);
     bool simple = false;
-    if (old != nullptr && is_value(old)) {
+    if (old != nullptr && is_value(old, true)) {
       PyObject* old_dtype = PyObject_GetAttr(old, g.s_dtype);
       PyObject* new_dtype = PyObject_GetAttr(out, g.s_dtype);
       PyObject* old_shape = PyObject_GetAttr(old, g.s_shape);
